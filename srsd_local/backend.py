@@ -1,0 +1,342 @@
+"""llama.cpp model + context over the low-level ctypes API (DESIGN section 3).
+
+Sequence 0 holds the committed context. A token tree is verified by giving each
+root-to-leaf path a sequence id (`fork` copies the context into ids 1..B-1), decoding all
+nodes in one batch, then folding the accepted path back into sequence 0 (`commit`).
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .capture import HiddenCapture, resolve_layer
+from .config import SRSDConfig
+
+
+class DecodeError(RuntimeError):
+    """llama_decode failed; the message says why."""
+
+
+class ContextFullError(DecodeError, ValueError):
+    pass
+
+
+_BACKEND_READY = False
+
+
+def _llama():
+    global _BACKEND_READY
+    from llama_cpp import llama_cpp as L  # noqa: PLC0415
+
+    if not _BACKEND_READY:
+        if not os.environ.get("SRSD_VERBOSE"):
+            _silence_llama_log(L)
+        L.llama_backend_init()
+        _BACKEND_READY = True
+    return L
+
+
+_LOG_CB = None
+
+
+def _silence_llama_log(L) -> None:
+    global _LOG_CB
+
+    @L.llama_log_callback
+    def _quiet(level, text, _user):  # errors still reach stderr
+        if level >= 4:  # GGML_LOG_LEVEL_ERROR
+            os.write(2, text)
+
+    _LOG_CB = _quiet
+    L.llama_log_set(_LOG_CB, None)
+
+
+_PROGRESS_CB = None
+
+
+def _NO_PROGRESS(L):  # llama.cpp prints dots while loading unless given a callback
+    global _PROGRESS_CB
+    if _PROGRESS_CB is None:
+        _PROGRESS_CB = L.llama_progress_callback(lambda _p, _u: True)
+    return _PROGRESS_CB
+
+
+def gpu_offload_supported() -> bool:
+    return bool(_llama().llama_supports_gpu_offload())
+
+
+@dataclass
+class DecodeOutput:
+    logits: np.ndarray  # float32 [n_outputs, n_vocab]; a view valid until the next decode
+    hidden: np.ndarray | None  # float32 [n_tokens, n_embd] of the capture layer
+
+
+class Backend:
+    """One llama.cpp model and context. Use as a context manager or call `close()`."""
+
+    def __init__(self, model_path: str | Path, config: SRSDConfig,
+                 capture_layer: int | float | None = None) -> None:
+        L = self._L = _llama()
+        self.config = config
+        self.model_path = str(model_path)
+        mparams = L.llama_model_default_params()
+        mparams.n_gpu_layers = 10**6 if config.n_gpu_layers < 0 else config.n_gpu_layers
+        mparams.progress_callback = _NO_PROGRESS(L)
+        self.model = L.llama_model_load_from_file(self.model_path.encode(), mparams)
+        if not self.model:
+            raise ValueError(f"llama.cpp could not load the model {self.model_path!r} "
+                             "(is it a GGUF of an architecture this llama.cpp supports?)")
+        self.ctx = None
+        self.capture: HiddenCapture | None = None
+        try:
+            self.vocab = L.llama_model_get_vocab(self.model)
+            self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+            self.n_embd = L.llama_model_n_embd(self.model)
+            self.n_layer = L.llama_model_n_layer(self.model)
+            self.layer = None
+            if capture_layer is not None:
+                self.layer = resolve_layer(capture_layer, self.n_layer)
+                self.capture = HiddenCapture([self.layer])
+            cparams = L.llama_context_default_params()
+            cparams.n_ctx = config.n_ctx
+            cparams.n_batch = config.n_batch
+            cparams.n_ubatch = config.n_ubatch
+            cparams.n_seq_max = config.n_seq_max
+            cparams.n_threads = cparams.n_threads_batch = config.threads
+            cparams.kv_unified = True
+            cparams.swa_full = True
+            cparams.no_perf = True
+            if self.capture is not None:
+                cparams.cb_eval = self.capture.callback
+                cparams.cb_eval_user_data = None
+            self.ctx = L.llama_init_from_model(self.model, cparams)
+            if not self.ctx:
+                raise ValueError(f"llama.cpp could not create a context with n_ctx={config.n_ctx}"
+                                 f", n_batch={config.n_batch}, n_seq_max={config.n_seq_max}")
+            self.n_ctx = L.llama_n_ctx(self.ctx)
+            self.n_batch = L.llama_n_batch(self.ctx)  # llama.cpp clamps it to n_ctx
+            self.mem = L.llama_get_memory(self.ctx)
+            self._batch = L.llama_batch_init(self.n_batch, 0, config.n_seq_max)
+            cap = self.n_batch
+            self._b_tok = np.ctypeslib.as_array(self._batch.token, shape=(cap,))
+            self._b_pos = np.ctypeslib.as_array(self._batch.pos, shape=(cap,))
+            self._b_nseq = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(cap,))
+            self._b_logits = np.ctypeslib.as_array(self._batch.logits, shape=(cap,))
+            self._b_seq = [np.ctypeslib.as_array(self._batch.seq_id[i], shape=(config.n_seq_max,))
+                           for i in range(cap)]
+            self._piece_cache: dict[int, bytes] = {}
+            self.n_past = 0  # tokens of sequence 0 in the KV cache
+        except BaseException:
+            self.close()
+            raise
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def close(self) -> None:
+        L = self._L
+        if getattr(self, "_batch", None) is not None:
+            L.llama_batch_free(self._batch)
+            self._batch = None
+        if self.ctx:
+            L.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            L.llama_model_free(self.model)
+            self.model = None
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- model facts ----------------------------------------------------------------------
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(4096)
+        n = self._L.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if n >= 0 else None
+
+    def chat_template(self) -> str | None:
+        ptr = self._L.llama_model_chat_template(self.model, None)
+        return ptr.decode("utf-8", "replace") if ptr else None
+
+    @property
+    def eos_token(self) -> int:
+        return int(self._L.llama_vocab_eos(self.vocab))
+
+    def token_text(self, token: int) -> str:
+        return (self._L.llama_vocab_get_text(self.vocab, token) or b"").decode("utf-8", "replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self._L.llama_vocab_is_eog(self.vocab, token))
+
+    @property
+    def name(self) -> str:
+        return self.meta("general.name") or Path(self.model_path).stem
+
+    # -- tokens ---------------------------------------------------------------------------
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (self._L.llama_token * cap)()
+        n = self._L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_bos, special)
+        if n < 0:
+            cap = -n
+            buf = (self._L.llama_token * cap)()
+            n = self._L.llama_tokenize(self.vocab, data, len(data), buf, cap, add_bos, special)
+        return list(buf[:n])
+
+    def piece(self, token: int) -> bytes:
+        out = self._piece_cache.get(token)
+        if out is None:
+            buf = ctypes.create_string_buffer(64)
+            n = self._L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = self._L.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+            out = self._piece_cache[token] = buf.raw[:n]
+        return out
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
+
+    def text_stream(self) -> TextStream:
+        return TextStream(self.piece)
+
+    # -- decoding -------------------------------------------------------------------------
+    def decode(self, tokens: Sequence[int], positions: Sequence[int] | None = None,
+               seq_ids: Sequence[Sequence[int]] | None = None,
+               want_logits: str | Sequence[bool] = "last") -> DecodeOutput:
+        """Decode tokens (more than n_batch are split into several llama_decode calls).
+
+        positions default to n_past, n_past+1, ...; seq_ids default to [0] for every token;
+        want_logits is "last", "all", "none" or one flag per token. Returns the logits rows of
+        the flagged tokens in order and the captured hidden rows of every token.
+        """
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("decode needs at least one token")
+        pos = (np.arange(self.n_past, self.n_past + n, dtype=np.int32) if positions is None
+               else np.asarray(positions, dtype=np.int32))
+        if isinstance(want_logits, str):
+            flags = np.zeros(n, dtype=np.int8)
+            if want_logits == "all":
+                flags[:] = 1
+            elif want_logits == "last":
+                flags[-1] = 1
+            elif want_logits != "none":
+                raise ValueError(f"want_logits={want_logits!r}: accepted are 'last', 'all', "
+                                 "'none' or one flag per token")
+        else:
+            flags = np.asarray(want_logits, dtype=np.int8)
+        top = int(pos.max()) + 1
+        if top > self.n_ctx:
+            raise ContextFullError(f"context is full: {top} tokens, n_ctx={self.n_ctx}")
+        toks = np.asarray(tokens, dtype=np.int32)
+        cap = self.n_batch
+        logits_parts, hidden_parts = [], []
+        for s in range(0, n, cap):
+            e = min(n, s + cap)
+            self._fill(toks[s:e], pos[s:e], None if seq_ids is None else seq_ids[s:e],
+                       flags[s:e])
+            if self.capture is not None:
+                self.capture.reset()
+            self._decode_batch(e - s)
+            n_out = int(flags[s:e].sum())
+            if n_out:
+                ptr = self._L.llama_get_logits(self.ctx)
+                logits_parts.append(np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab)))
+            if self.capture is not None:
+                hidden_parts.append(self.capture.rows())
+        if seq_ids is None:  # a plain decode of sequence 0; tree passes end with commit()
+            self.n_past = max(self.n_past, top)
+        logits = (logits_parts[0] if len(logits_parts) == 1 else
+                  np.concatenate(logits_parts) if logits_parts else
+                  np.zeros((0, self.n_vocab), np.float32))
+        hidden = None
+        if hidden_parts and all(h is not None for h in hidden_parts):
+            hidden = hidden_parts[0] if len(hidden_parts) == 1 else np.concatenate(hidden_parts)
+        return DecodeOutput(logits=logits, hidden=hidden)
+
+    def _fill(self, toks: np.ndarray, pos: np.ndarray, seq_ids, flags: np.ndarray) -> None:
+        m = len(toks)
+        self._batch.n_tokens = m
+        self._b_tok[:m] = toks
+        self._b_pos[:m] = pos
+        self._b_logits[:m] = flags
+        if seq_ids is None:
+            self._b_nseq[:m] = 1
+            for i in range(m):
+                self._b_seq[i][0] = 0
+        else:
+            for i, ids in enumerate(seq_ids):
+                self._b_nseq[i] = len(ids)
+                self._b_seq[i][: len(ids)] = ids
+
+    def _decode_batch(self, m: int) -> None:
+        rc = self._L.llama_decode(self.ctx, self._batch)
+        if rc == 0:
+            return
+        if rc == 1:
+            raise ContextFullError(f"context is full: no KV cache slot for {m} more tokens "
+                                   f"({self.n_past} in use, n_ctx={self.n_ctx})")
+        if rc == 2:
+            raise DecodeError("llama_decode was aborted")
+        raise DecodeError(f"llama_decode failed with code {rc} for a batch of {m} tokens "
+                          "(invalid batch: positions, sequence ids or tokens out of range)")
+
+    # -- KV cache -------------------------------------------------------------------------
+    def fork(self, n_branches: int) -> None:
+        """Copy sequence 0 into ids 1..n_branches-1 (branch 0 is sequence 0 itself)."""
+        if n_branches > self.config.n_seq_max:
+            raise ValueError(f"{n_branches} branches > n_seq_max={self.config.n_seq_max}")
+        for s in range(1, n_branches):
+            self._L.llama_memory_seq_cp(self.mem, 0, s, -1, -1)
+
+    def commit(self, branch: int, n_keep: int, n_branches: int | None = None) -> None:
+        """Keep `n_keep` tree tokens of `branch` (from position n_past) in sequence 0 and
+        drop everything else the tree pass wrote."""
+        L, mem = self._L, self.mem
+        if n_branches is None or n_branches > 1:
+            L.llama_memory_seq_keep(mem, branch)
+            if branch != 0:
+                L.llama_memory_seq_cp(mem, branch, 0, -1, -1)
+                L.llama_memory_seq_keep(mem, 0)
+        self.n_past += n_keep
+        L.llama_memory_seq_rm(mem, 0, self.n_past, -1)
+
+    def trim(self, n: int) -> None:
+        """Drop everything from position n on."""
+        if n < self.n_past:
+            self._L.llama_memory_seq_rm(self.mem, -1, n, -1)
+            self.n_past = n
+
+    def clear(self) -> None:
+        self._L.llama_memory_clear(self.mem, True)
+        self.n_past = 0
+
+
+class TextStream:
+    """Incremental detokenizer: never splits a UTF-8 character across chunks."""
+
+    def __init__(self, piece) -> None:
+        self._piece = piece
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token: int) -> str:
+        return self._dec.decode(self._piece(token))
+
+    def flush(self) -> str:
+        return self._dec.decode(b"", final=True)

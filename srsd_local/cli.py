@@ -1,0 +1,98 @@
+"""`srsd-local` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .config import MODES
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="a .gguf path, or 'default' (Gemma 3 270M from its PyPI package)")
+    p.add_argument("--n-gpu-layers", type=int, default=0,
+                   help="layers to offload to the GPU (-1: all; needs a CUDA build)")
+    p.add_argument("--n-ctx", type=int, default=None, help="context size in tokens")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+
+
+def _engine_config(args: argparse.Namespace) -> dict:
+    cfg = {"n_gpu_layers": args.n_gpu_layers}
+    if args.n_ctx is not None:
+        cfg["n_ctx"] = args.n_ctx
+    if args.threads is not None:
+        cfg["n_threads"] = args.threads
+    return cfg
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from .engine import Engine  # noqa: PLC0415
+
+    if args.prompt_file is not None:
+        prompt = Path(args.prompt_file).read_text(encoding="utf-8")
+    else:
+        prompt = args.prompt
+    with Engine.load(args.model, mode=args.mode, **_engine_config(args)) as engine:
+        stats = None
+        for ev in engine.stream(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                                stop=args.stop or None, mode=args.mode):
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+            stats = ev.stats
+        sys.stdout.write("\n")
+        assert stats is not None
+        print(f"[{stats.mode}] {stats.tokens} tokens in {stats.seconds:.2f} s = "
+              f"{stats.tokens_per_second:.1f} tokens/s; {stats.mean_accepted_length:.2f} tokens/"
+              f"step; prompt {stats.prompt_tokens} tokens in {stats.prompt_seconds:.2f} s",
+              file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="srsd-local",
+        description="Local LLM runtime with Semantic Retrieval Speculative Decoding.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="read the prompt from this file")
+    _add_model_args(g)
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--mode", choices=MODES, default="srsd")
+    g.set_defaults(func=_cmd_generate)
+
+    for register in _EXTRA_COMMANDS:
+        register(sub, _add_model_args, _engine_config)
+    return parser
+
+
+_EXTRA_COMMANDS: list = []
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"srsd-local: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

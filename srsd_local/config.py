@@ -1,0 +1,138 @@
+"""Configuration dataclasses, validated on construction.
+
+Every knob of the runtime lives here. A bad value raises ``ValueError`` with a message that
+says which field was wrong, what it was and what is accepted.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+MODES = ("ar", "pld", "srsd", "hybrid")
+INDEX_BACKENDS = ("auto", "faiss-gpu", "faiss-cpu", "numpy")
+
+
+def _check(cond: bool, field: str, value: Any, accepted: str) -> None:
+    if not cond:
+        raise ValueError(f"invalid {field}={value!r}: accepted is {accepted}")
+
+
+def _int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= lo
+    ok = ok and (hi is None or value <= hi)
+    rng = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
+    _check(ok, name, value, rng)
+
+
+def _float(name: str, value: Any, lo: float, hi: float) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value <= hi
+    _check(ok, name, value, f"a number in [{lo}, {hi}]")
+
+
+def default_threads() -> int:
+    """Physical-ish core count: llama.cpp is memory bound, one thread per core is best."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, n)
+
+
+@dataclass(frozen=True)
+class SRSDConfig:
+    """Everything `Engine.load` accepts besides the model.
+
+    Speculation defaults were measured on the default model (Gemma 3 270M) with
+    `srsd-local bench`; see docs/benchmarks.md.
+    """
+
+    # llama.cpp context
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_seq_max: int = 32
+    n_threads: int = 0  # 0: one per available core
+    n_gpu_layers: int = 0  # -1: all layers
+    # generation
+    mode: str = "srsd"
+    # hidden-state capture and retrieval
+    layer: int | float = 0.25  # index, or depth fraction in (0, 1)
+    index_backend: str = "auto"
+    top_k: int = 10
+    min_similarity: float = 0.2
+    # token tree
+    draft_depth: int = 12
+    max_nodes: int = 16
+    max_branches: int = 4
+    # n-gram drafter
+    ngram_max: int = 4
+    ngram_min: int = 1
+    ngram_matches: int = 4
+
+    def __post_init__(self) -> None:
+        _int("n_ctx", self.n_ctx, 64)
+        _int("n_batch", self.n_batch, 1)
+        _int("n_ubatch", self.n_ubatch, 1)
+        _int("n_seq_max", self.n_seq_max, 1, 256)
+        _int("n_threads", self.n_threads, 0)
+        _int("n_gpu_layers", self.n_gpu_layers, -1)
+        _check(self.mode in MODES, "mode", self.mode, "one of " + ", ".join(MODES))
+        if isinstance(self.layer, float):
+            _check(0.0 < self.layer < 1.0, "layer", self.layer,
+                   "a layer index (int) or a depth fraction in (0, 1)")
+        else:
+            _int("layer", self.layer, 0)
+        _check(self.index_backend in INDEX_BACKENDS, "index_backend", self.index_backend,
+               "one of " + ", ".join(INDEX_BACKENDS))
+        _int("top_k", self.top_k, 1, 1024)
+        _float("min_similarity", self.min_similarity, -1.0, 1.0)
+        _int("draft_depth", self.draft_depth, 1, 255)
+        _int("max_nodes", self.max_nodes, 1, 255)
+        _int("max_branches", self.max_branches, 1, 255)
+        _int("ngram_max", self.ngram_max, 1, 64)
+        _int("ngram_min", self.ngram_min, 1, self.ngram_max)
+        _int("ngram_matches", self.ngram_matches, 1, 64)
+        _check(self.n_ubatch <= self.n_batch, "n_ubatch", self.n_ubatch,
+               f"a value <= n_batch ({self.n_batch})")
+        _check(self.max_nodes + 1 <= self.n_ubatch, "max_nodes", self.max_nodes,
+               f"a value < n_ubatch ({self.n_ubatch}): a tree is verified in one ubatch")
+        _check(self.max_branches + 1 <= self.n_seq_max, "max_branches", self.max_branches,
+               f"a value < n_seq_max ({self.n_seq_max}): one sequence id per branch")
+
+    @property
+    def threads(self) -> int:
+        return self.n_threads or default_threads()
+
+    def with_(self, **changes: Any) -> SRSDConfig:
+        """A copy with some fields changed (validated again)."""
+        unknown = set(changes) - {f.name for f in fields(self)}
+        if unknown:
+            raise ValueError(f"unknown config field(s) {sorted(unknown)}: accepted are "
+                             + ", ".join(f.name for f in fields(self)))
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-call sampling settings. temperature 0 is greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        _float("temperature", self.temperature, 0.0, 100.0)
+        _int("top_k", self.top_k, 0)
+        _float("top_p", self.top_p, 0.0, 1.0)
+        _check(self.top_p > 0.0, "top_p", self.top_p, "a number in (0, 1]")
+        _float("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _int("seed", self.seed, 0)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

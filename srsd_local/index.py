@@ -1,0 +1,181 @@
+"""Incremental vector index: hidden states of the context -> their positions. Pure compute.
+
+Rows are centred (the centre is estimated from the first rows added, the prompt, then kept
+fixed) and unit-normalised; similarity is the inner product (cosine). Vectors are stored as
+float16. Three backends return the same hits on the same data:
+
+- ``numpy``: a preallocated float16 buffer grown geometrically;
+- ``faiss-cpu``: ``IndexScalarQuantizer`` (fp16 codes, exact inner-product search);
+- ``faiss-gpu``: ``GpuIndexFlatIP`` with float16 storage and capped scratch memory, only when
+  the faiss build has GPU support *and* sees a GPU.
+
+``auto`` picks faiss-gpu, else faiss-cpu, else numpy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+_GPU_TEMP_MEMORY = 64 << 20  # faiss reserves up to 1.5 GiB of scratch by default
+
+
+def _faiss():
+    try:
+        import faiss  # noqa: PLC0415
+
+        return faiss
+    except ImportError:
+        return None
+
+
+def gpu_available() -> bool:
+    faiss = _faiss()
+    if faiss is None or not hasattr(faiss, "StandardGpuResources"):
+        return False
+    try:
+        return faiss.get_num_gpus() > 0
+    except Exception:  # a GPU build on a machine without a driver
+        return False
+
+
+def choose_backend(requested: str = "auto") -> str:
+    accepted = ("auto", "faiss-gpu", "faiss-cpu", "numpy")
+    if requested not in accepted:
+        raise ValueError(f"unknown index backend {requested!r}: accepted are {', '.join(accepted)}")
+    if requested == "faiss-gpu" and not gpu_available():
+        raise ValueError("index backend 'faiss-gpu' needs faiss built with GPU support and a "
+                         "visible GPU; use 'faiss-cpu', 'numpy' or 'auto'")
+    if requested == "faiss-cpu" and _faiss() is None:
+        raise ValueError("index backend 'faiss-cpu' needs the faiss-cpu package; "
+                         "use 'numpy' or 'auto'")
+    if requested != "auto":
+        return requested
+    if gpu_available():
+        return "faiss-gpu"
+    return "faiss-cpu" if _faiss() is not None else "numpy"
+
+
+@dataclass(frozen=True)
+class Hits:
+    positions: np.ndarray  # int64 [k], best first
+    scores: np.ndarray  # float32 [k]
+
+
+class VectorIndex:
+    """Hidden-state rows -> context positions, bounded by `capacity` (the context size)."""
+
+    def __init__(self, dim: int, capacity: int, backend: str = "auto") -> None:
+        if dim <= 0 or capacity <= 0:
+            raise ValueError(f"index needs dim > 0 and capacity > 0, got {dim}, {capacity}")
+        self.dim = dim
+        self.capacity = capacity
+        self.backend = choose_backend(backend)
+        self.center: np.ndarray | None = None
+        self._pos = np.zeros(min(capacity, 1024), dtype=np.int64)
+        self._n = 0
+        self._buf: np.ndarray | None = None
+        self._faiss_index = None
+        self._gpu_res = None
+        if self.backend == "numpy":
+            self._buf = np.zeros((len(self._pos), dim), dtype=np.float16)
+        else:
+            self._faiss_index = self._new_faiss_index()
+
+    # -- construction helpers -------------------------------------------------------------
+    def _new_faiss_index(self):
+        faiss = _faiss()
+        if self.backend == "faiss-gpu":
+            if self._gpu_res is None:
+                self._gpu_res = faiss.StandardGpuResources()
+                self._gpu_res.setTempMemory(_GPU_TEMP_MEMORY)
+            cfg = faiss.GpuIndexFlatConfig()
+            cfg.useFloat16 = True
+            return faiss.GpuIndexFlatIP(self._gpu_res, self.dim, cfg)
+        return faiss.IndexScalarQuantizer(self.dim, faiss.ScalarQuantizer.QT_fp16,
+                                          faiss.METRIC_INNER_PRODUCT)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def _normalise(self, rows: np.ndarray) -> np.ndarray:
+        x = np.asarray(rows, dtype=np.float32).reshape(-1, self.dim)
+        if self.center is None:
+            self.center = x.mean(axis=0) if len(x) > 1 else np.zeros(self.dim, np.float32)
+        x = x - self.center
+        x /= np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-6)
+        return x
+
+    def _grow(self, need: int) -> None:
+        if need <= len(self._pos):
+            return
+        size = min(max(need, 2 * len(self._pos)), self.capacity)
+        pos = np.zeros(size, dtype=np.int64)
+        pos[: self._n] = self._pos[: self._n]
+        self._pos = pos
+        if self._buf is not None:
+            buf = np.zeros((size, self.dim), dtype=np.float16)
+            buf[: self._n] = self._buf[: self._n]
+            self._buf = buf
+
+    # -- API --------------------------------------------------------------------------------
+    def add(self, rows: np.ndarray, positions: np.ndarray | list[int]) -> None:
+        """Index new rows (only the new ones) for the given context positions."""
+        positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+        x = self._normalise(rows)
+        if len(x) != len(positions):
+            raise ValueError(f"index.add got {len(x)} rows for {len(positions)} positions")
+        if self._n + len(x) > self.capacity:
+            raise ValueError(f"index is full: {self._n} + {len(x)} rows > capacity "
+                             f"{self.capacity} (the context size)")
+        self._grow(self._n + len(x))
+        self._pos[self._n: self._n + len(x)] = positions
+        if self._buf is not None:
+            self._buf[self._n: self._n + len(x)] = x
+        else:
+            self._faiss_index.add(x.astype(np.float16).astype(np.float32))
+        self._n += len(x)
+
+    def search(self, query: np.ndarray, k: int) -> Hits:
+        """The k most similar indexed positions to `query` (a raw hidden row), best first."""
+        k = min(k, self._n)
+        if k <= 0:
+            return Hits(np.zeros(0, np.int64), np.zeros(0, np.float32))
+        q = self._normalise(query)
+        if self._buf is not None:
+            q16 = q[0].astype(np.float16).astype(np.float32)
+            scores = self._buf[: self._n].astype(np.float32) @ q16
+            top = np.argpartition(-scores, k - 1)[:k] if k < self._n else np.arange(self._n)
+            top = top[np.lexsort((top, -scores[top]))]
+            return Hits(self._pos[top], scores[top].astype(np.float32))
+        d, i = self._faiss_index.search(q.astype(np.float16).astype(np.float32), k)
+        ok = i[0] >= 0
+        return Hits(self._pos[i[0][ok]], d[0][ok].astype(np.float32))
+
+    def truncate(self, n: int) -> None:
+        """Forget every position >= n (the context was trimmed)."""
+        keep = int(np.count_nonzero(self._pos[: self._n] < n))
+        if keep == self._n:
+            return
+        if not np.all(self._pos[:keep] < n):
+            raise ValueError("index positions are not in increasing order; cannot truncate")
+        if self._faiss_index is not None:
+            if self.backend == "faiss-cpu":
+                faiss = _faiss()
+                self._faiss_index.remove_ids(faiss.IDSelectorRange(keep, self._n))
+            else:  # GPU flat indexes cannot remove: rebuild from what is kept
+                kept = self._faiss_index.reconstruct_n(0, keep) if keep else None
+                self._faiss_index = self._new_faiss_index()
+                if kept is not None:
+                    self._faiss_index.add(kept)
+        self._n = keep
+
+    def clear(self) -> None:
+        self.truncate(0)
+        self.center = None
+
+    def memory_bytes(self, n: int | None = None) -> int:
+        """Bytes held for `n` vectors (default: the capacity): fp16 vectors + int64 positions."""
+        n = self.capacity if n is None else n
+        return n * (self.dim * 2 + 8)

@@ -1,0 +1,129 @@
+"""Token trees for speculative verification. Pure python/numpy.
+
+Node 0 is the root: the token just chosen, not yet in the KV cache. Every other node is a
+drafted token; its weight is the summed weight of the drafts that pass through it, so a
+parent always weighs at least as much as each child. The backend lays the tree out as a
+batch: one row per node, position = n_past + depth, and one sequence id per root-to-leaf
+path (a node carries the ids of every path through it).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class TreeLayout:
+    tokens: np.ndarray  # int32 [n]
+    depths: np.ndarray  # int32 [n]
+    seq_ids: list[list[int]]  # per node, the branch ids through it
+    leaf_branch: dict[int, int]  # leaf node -> its branch id
+
+    @property
+    def n_branches(self) -> int:
+        return len(self.leaf_branch)
+
+
+class TokenTree:
+    def __init__(self, root_token: int) -> None:
+        self.tokens: list[int] = [int(root_token)]
+        self.parents: list[int] = [-1]
+        self.depths: list[int] = [0]
+        self.weights: list[float] = [0.0]
+        self._children: list[dict[int, int]] = [{}]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def n_draft(self) -> int:
+        """Drafted nodes (all but the root)."""
+        return len(self.tokens) - 1
+
+    def child(self, node: int, token: int) -> int | None:
+        return self._children[node].get(int(token))
+
+    def children(self, node: int) -> list[int]:
+        return list(self._children[node].values())
+
+    def add_node(self, parent: int, token: int, weight: float = 0.0) -> int:
+        idx = len(self.tokens)
+        self.tokens.append(int(token))
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.weights.append(weight)
+        self._children.append({})
+        self._children[parent][int(token)] = idx
+        return idx
+
+    def insert(self, path: Sequence[int], weight: float) -> None:
+        """Add a draft that follows the root; shared prefixes are stored once."""
+        node = 0
+        self.weights[0] += weight
+        for tok in path:
+            nxt = self._children[node].get(int(tok))
+            if nxt is None:
+                nxt = self.add_node(node, int(tok))
+            self.weights[nxt] += weight
+            node = nxt
+
+    def path_tokens(self, node: int) -> list[int]:
+        """Tokens from just below the root down to `node`."""
+        out = []
+        while node > 0:
+            out.append(self.tokens[node])
+            node = self.parents[node]
+        return out[::-1]
+
+    def prune(self, max_nodes: int, max_depth: int, max_branches: int) -> TokenTree:
+        """A new tree of at most `max_nodes` drafted nodes, depth and leaf count bounded.
+
+        Nodes are taken best-first by weight (ties: shallower, then earlier), so the result
+        is the connected sub-tree of highest cumulative weight within the budget.
+        """
+        out = TokenTree(self.tokens[0])
+        out.weights[0] = self.weights[0]
+        leaves = 1
+        heap: list[tuple[float, int, int, int]] = []  # (-weight, depth, old index, new parent)
+
+        def push_children(old: int, new: int) -> None:
+            for c in self._children[old].values():
+                if self.depths[c] <= max_depth:
+                    heapq.heappush(heap, (-self.weights[c], self.depths[c], c, new))
+
+        push_children(0, 0)
+        while heap and out.n_draft < max_nodes:
+            _, _, old, new_parent = heapq.heappop(heap)
+            opens_leaf = bool(out._children[new_parent])
+            if opens_leaf and leaves >= max_branches:
+                continue
+            leaves += opens_leaf
+            new = out.add_node(new_parent, self.tokens[old], self.weights[old])
+            push_children(old, new)
+        return out
+
+    def layout(self) -> TreeLayout:
+        leaf_branch: dict[int, int] = {}
+        seq_ids: list[list[int]] = [[] for _ in self.tokens]
+        for node in range(len(self.tokens)):
+            if not self._children[node]:
+                b = len(leaf_branch)
+                leaf_branch[node] = b
+                up = node
+                while up >= 0:
+                    seq_ids[up].append(b)
+                    up = self.parents[up]
+        return TreeLayout(
+            tokens=np.asarray(self.tokens, dtype=np.int32),
+            depths=np.asarray(self.depths, dtype=np.int32),
+            seq_ids=seq_ids,
+            leaf_branch=leaf_branch,
+        )
+
+    def branch_through(self, layout: TreeLayout, node: int) -> int:
+        """A branch id whose path passes through `node`."""
+        return layout.seq_ids[node][0]

@@ -1,0 +1,126 @@
+"""A fake llama.cpp backend for engine logic tests (no weights).
+
+It keeps one token list per sequence id, like a unified KV cache, and computes each row's
+logits from the tokens on that row's own path, so tree verification is exercised for real.
+The "model" copies: after the last token it predicts what followed its most recent
+earlier occurrence, else (last + 1) mod V. Hidden rows are a fixed random vector per pair of
+last tokens, so semantic retrieval finds the positions that copying would use.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+
+from srsd_local.backend import ContextFullError, DecodeOutput
+
+VOCAB = 64
+EOS = 1
+BOS = 2
+N_EMBD = 16
+
+
+class FakeBackend:
+    name = "fake"
+
+    def __init__(self, n_ctx: int = 512, noise: float = 0.5, margin: float = 4.0) -> None:
+        self.n_ctx = n_ctx
+        self.n_vocab = VOCAB
+        self.n_embd = N_EMBD
+        self.n_past = 0
+        self.capture = SimpleNamespace(enabled=True)
+        self.seqs: dict[int, list[int]] = {0: []}
+        self.decode_calls: list[int] = []
+        self.noise, self.margin = noise, margin
+        self._emb = np.random.default_rng(0).normal(size=(VOCAB * VOCAB, N_EMBD))
+
+    # tokens: text is lowercase letters, token = 10 + letter index; ' ' = 36
+    def tokenize(self, text: str, add_bos: bool = True) -> list[int]:
+        ids = [36 if c == " " else 10 + (ord(c) - 97) % 26 for c in text]
+        return ([BOS] if add_bos else []) + ids
+
+    def piece(self, token: int) -> bytes:
+        if token == 36:
+            return b" "
+        if 10 <= token < 36:
+            return bytes([97 + token - 10])
+        if token >= 37:
+            return f"<{token}>".encode()
+        return b""
+
+    def is_eog(self, token: int) -> bool:
+        return token == EOS
+
+    def chat_template(self):
+        return None
+
+    def meta(self, key):
+        return None
+
+    def close(self) -> None:
+        pass
+
+    # the fake model
+    def predict(self, history: list[int]) -> int:
+        last = history[-1]
+        for i in range(len(history) - 2, 0, -1):
+            if history[i] == last and history[i + 1] != BOS:
+                return history[i + 1]
+        return (history[-1] + 1) % VOCAB if history[-1] + 1 < VOCAB else 10
+
+    def _logits(self, history: list[int]) -> np.ndarray:
+        rng = np.random.default_rng(hash(tuple(history[-3:])) % (2**32))
+        row = rng.normal(scale=self.noise, size=VOCAB).astype(np.float32)
+        row[self.predict(history)] += self.margin
+        return row
+
+    def _hidden(self, history: list[int]) -> np.ndarray:
+        a = history[-2] if len(history) > 1 else 0
+        return self._emb[a * VOCAB + history[-1]].astype(np.float32)
+
+    def decode(self, tokens, positions=None, seq_ids=None, want_logits="last") -> DecodeOutput:
+        n = len(tokens)
+        pos = list(range(self.n_past, self.n_past + n)) if positions is None else \
+            [int(p) for p in positions]
+        ids = [[0]] * n if seq_ids is None else [list(s) for s in seq_ids]
+        if max(pos) + 1 > self.n_ctx:
+            raise ContextFullError(f"context is full: {max(pos) + 1} tokens, n_ctx={self.n_ctx}")
+        if want_logits == "all":
+            flags = [True] * n
+        elif want_logits == "last":
+            flags = [False] * (n - 1) + [True]
+        else:
+            flags = [bool(f) for f in want_logits]
+        self.decode_calls.append(n)
+        logits, hidden = [], []
+        for tok, p, sids in zip(tokens, pos, ids):
+            for s in sids:
+                seq = self.seqs.setdefault(s, [])
+                assert len(seq) == p, f"seq {s} has {len(seq)} tokens, got position {p}"
+                seq.append(int(tok))
+            hist = self.seqs[sids[0]][: p + 1]
+            hidden.append(self._hidden(hist))
+            if flags[len(hidden) - 1]:
+                logits.append(self._logits(hist))
+        if seq_ids is None:
+            self.n_past = max(pos) + 1
+        return DecodeOutput(np.array(logits, dtype=np.float32), np.array(hidden))
+
+    def fork(self, n_branches: int) -> None:
+        for s in range(1, n_branches):
+            self.seqs[s] = list(self.seqs[0])
+
+    def commit(self, branch: int, n_keep: int, n_branches=None) -> None:
+        kept = self.seqs[branch][: self.n_past + n_keep]
+        self.seqs = {0: kept}
+        self.n_past += n_keep
+
+    def trim(self, n: int) -> None:
+        if n < self.n_past:
+            self.seqs = {0: self.seqs[0][:n]}
+            self.n_past = n
+
+    def clear(self) -> None:
+        self.seqs = {0: []}
+        self.n_past = 0

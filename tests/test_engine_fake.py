@@ -1,0 +1,149 @@
+"""Engine logic on the fake backend: every mode emits what plain decoding emits."""
+
+from __future__ import annotations
+
+import pytest
+from fakes import EOS, FakeBackend
+
+from srsd_local.config import SRSDConfig
+from srsd_local.engine import Engine, collect
+
+PROMPT = "the quick brown fox jumps over the lazy dog and the quick brown cat"
+MODES = ["ar", "pld", "srsd", "hybrid"]
+
+
+def make_engine(**cfg) -> Engine:
+    return Engine(FakeBackend(), SRSDConfig(index_backend="numpy", n_ctx=512, **cfg))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_modes_equal_plain(mode):
+    plain = make_engine().generate(PROMPT, max_tokens=60, mode="ar")
+    eng = make_engine()
+    spec = eng.generate(PROMPT, max_tokens=60, mode=mode)
+    assert spec.token_ids == plain.token_ids
+    assert spec.text == plain.text
+    assert spec.finish_reason == plain.finish_reason == "length"
+    if mode != "ar":
+        # copying workload: speculation must save forward passes
+        assert spec.stats.steps < plain.stats.steps
+        assert spec.stats.accepted_tokens > 0
+        assert sum(eng.backend.decode_calls[1:]) > len(eng.backend.decode_calls) - 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_seeded_sampling_modes_equal_plain(mode):
+    kw = dict(max_tokens=50, temperature=1.0, seed=7)
+    plain = make_engine().generate(PROMPT, mode="ar", **kw)
+    spec = make_engine().generate(PROMPT, mode=mode, **kw)
+    assert spec.token_ids == plain.token_ids
+    other = make_engine().generate(PROMPT, mode="ar", max_tokens=50, temperature=1.0, seed=8)
+    assert other.token_ids != plain.token_ids
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_stop_string_cuts_where_plain_does(mode):
+    plain = make_engine().generate(PROMPT, max_tokens=60, mode="ar")
+    stop = plain.text[20:23]
+    expected = plain.text[: plain.text.index(stop)]
+    res = make_engine().generate(PROMPT, max_tokens=60, mode=mode, stop=[stop, "zzzz"])
+    assert res.finish_reason == "stop"
+    assert res.text == expected
+    assert stop not in res.text
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_max_tokens_exact(mode):
+    for n in (1, 2, 7, 33):
+        res = make_engine().generate(PROMPT, max_tokens=n, mode=mode)
+        assert len(res.token_ids) == n
+        assert res.finish_reason == "length"
+
+
+def test_max_tokens_zero():
+    res = make_engine().generate(PROMPT, max_tokens=0)
+    assert res.token_ids == [] and res.text == "" and res.finish_reason == "length"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_eos_stops_generation(mode, monkeypatch):
+    eng = make_engine()
+    plain = make_engine().generate(PROMPT, max_tokens=40, mode="ar")
+    eos_after = plain.token_ids[12]
+    monkeypatch.setattr(eng.backend, "is_eog", lambda t: t in (EOS, eos_after))
+    res = eng.generate(PROMPT, max_tokens=40, mode=mode)
+    assert res.finish_reason == "stop"
+    assert res.token_ids == plain.token_ids[: plain.token_ids.index(eos_after)]
+
+
+def test_stream_events_concatenate_to_result():
+    eng = make_engine()
+    events = list(eng.stream(PROMPT, max_tokens=40, mode="srsd"))
+    assert events[-1].finish_reason == "length" and events[-1].stats is not None
+    assert all(e.finish_reason is None for e in events[:-1])
+    ids = [t for e in events for t in e.token_ids]
+    flags = [f for e in events for f in e.drafted]
+    assert len(ids) == len(flags) == 40
+    assert any(flags), "tokens from accepted drafts are flagged"
+    res = make_engine().generate(PROMPT, max_tokens=40, mode="srsd")
+    assert "".join(e.text for e in events) == res.text and ids == res.token_ids
+
+
+def test_context_reuse_prefills_only_new_tokens():
+    eng = make_engine()
+    first = eng.generate(PROMPT, max_tokens=10, mode="srsd")
+    follow = PROMPT + first.text + " and more"
+    second = eng.generate(follow, max_tokens=10, mode="srsd")
+    n_prompt = len(eng.backend.tokenize(follow))
+    assert second.stats.reused_prompt_tokens >= len(eng.backend.tokenize(PROMPT))
+    assert second.stats.reused_prompt_tokens < n_prompt
+    fresh = make_engine().generate(follow, max_tokens=10, mode="srsd")
+    assert second.token_ids == fresh.token_ids
+    # a different prompt shares only BOS... and still gives the fresh result
+    third = eng.generate("a b c d e f", max_tokens=10, mode="srsd")
+    assert third.token_ids == make_engine().generate("a b c d e f", max_tokens=10).token_ids
+
+
+def test_context_reuse_after_plain_mode_keeps_index_consistent():
+    eng = make_engine()
+    eng.generate(PROMPT, max_tokens=10, mode="ar")
+    res = eng.generate(PROMPT + " the", max_tokens=30, mode="srsd")
+    assert len(eng.index) == eng.backend.n_past
+    assert res.token_ids == make_engine().generate(PROMPT + " the", max_tokens=30).token_ids
+
+
+def test_context_full_finishes_with_length():
+    eng = Engine(FakeBackend(n_ctx=80), SRSDConfig(index_backend="numpy", n_ctx=80))
+    res = eng.generate(PROMPT, max_tokens=500, mode="srsd")
+    assert res.finish_reason == "length"
+    assert len(eng.backend.tokenize(PROMPT)) + len(res.token_ids) <= 81
+
+
+def test_prompt_too_long_is_a_clear_error():
+    eng = Engine(FakeBackend(n_ctx=64), SRSDConfig(index_backend="numpy", n_ctx=64))
+    with pytest.raises(ValueError, match="context is full"):
+        eng.generate("a" * 100, max_tokens=5)
+
+
+@pytest.mark.parametrize("bad", [dict(mode="fast"), dict(max_tokens=-1),
+                                 dict(temperature=-0.5), dict(top_p=0.0), dict(stop=[1, 2])])
+def test_bad_arguments(bad):
+    with pytest.raises(ValueError):
+        make_engine().generate(PROMPT, **{"max_tokens": 5, **bad})
+
+
+def test_stats_are_consistent():
+    res = make_engine().generate(PROMPT, max_tokens=60, mode="hybrid")
+    s = res.stats
+    assert s.tokens == 60
+    assert sum(s.tokens_per_step) + 1 >= s.tokens  # +1: the prompt pass's token
+    assert s.accepted_tokens == sum(s.accepted_per_depth)
+    assert 0 < s.acceptance_rate <= 1
+    assert s.mean_accepted_length > 1
+    d = s.to_dict()
+    assert d["tokens_per_second"] > 0 and d["mean_accepted_length"] == s.mean_accepted_length
+
+
+def test_collect_needs_a_finish_event():
+    with pytest.raises(RuntimeError):
+        collect(iter([]))

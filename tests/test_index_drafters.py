@@ -1,0 +1,146 @@
+"""Vector index backends and the drafters."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from srsd_local.config import SRSDConfig
+from srsd_local.drafters import (
+    DraftInput,
+    HybridDrafter,
+    NgramDrafter,
+    SemanticDrafter,
+    make_drafter,
+)
+from srsd_local.index import VectorIndex, choose_backend, gpu_available
+
+BACKENDS = ["numpy", "faiss-cpu"] + (["faiss-gpu"] if gpu_available() else [])
+
+
+def _data(n=300, dim=32, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, dim)).astype(np.float32)
+
+
+def test_backends_return_the_same_hits():
+    x = _data()
+    q = _data(5, seed=1)
+    results = {}
+    for b in BACKENDS:
+        idx = VectorIndex(32, 1000, b)
+        idx.add(x[:200], np.arange(200))
+        idx.add(x[200:], np.arange(200, 300))
+        results[b] = [idx.search(qq, 8) for qq in q]
+    ref = results["numpy"]
+    for b in BACKENDS:
+        for h, r in zip(results[b], ref):
+            assert h.positions.tolist() == r.positions.tolist()
+            np.testing.assert_allclose(h.scores, r.scores, atol=1e-3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_search_finds_itself_and_truncate_forgets(backend):
+    x = _data()
+    idx = VectorIndex(32, 400, backend)
+    idx.add(x, np.arange(300))
+    h = idx.search(x[123], 3)
+    assert h.positions[0] == 123 and h.scores[0] == pytest.approx(1.0, abs=2e-3)
+    assert np.all(np.diff(h.scores) <= 1e-6)
+    idx.truncate(100)
+    assert len(idx) == 100
+    h = idx.search(x[123], 5)
+    assert h.positions.max() < 100
+    idx.add(x[100:110], np.arange(100, 110))
+    assert idx.search(x[105], 1).positions[0] == 105
+    assert idx.search(x[0], 0).positions.size == 0
+
+
+def test_centre_is_estimated_once_from_the_first_rows():
+    x = _data() + 5.0  # a shared offset that would dominate cosine similarity
+    idx = VectorIndex(32, 400, "numpy")
+    idx.add(x[:100], np.arange(100))
+    c = idx.center.copy()
+    idx.add(x[100:], np.arange(100, 300))
+    np.testing.assert_array_equal(idx.center, c)
+    np.testing.assert_allclose(c, x[:100].mean(axis=0), rtol=1e-5)
+    assert idx.search(x[250], 1).positions[0] == 250
+
+
+def test_capacity_and_errors():
+    idx = VectorIndex(4, 10, "numpy")
+    with pytest.raises(ValueError, match="index is full"):
+        idx.add(np.ones((11, 4)), np.arange(11))
+    with pytest.raises(ValueError, match="rows"):
+        idx.add(np.ones((3, 4)), np.arange(2))
+    with pytest.raises(ValueError, match="accepted are"):
+        choose_backend("annoy")
+    if not gpu_available():
+        with pytest.raises(ValueError, match="faiss-gpu"):
+            choose_backend("faiss-gpu")
+    assert choose_backend("auto") in ("faiss-gpu", "faiss-cpu", "numpy")
+
+
+def test_index_memory_for_a_32k_context_of_a_4096_wide_model():
+    idx = VectorIndex(4096, 32768, "numpy")
+    assert idx.memory_bytes() < 300e6
+    assert idx._buf.nbytes < 300e6  # nothing is allocated up front beyond the first block
+
+
+def _cfg(**kw):
+    return SRSDConfig(**{"draft_depth": 4, "max_nodes": 16, "max_branches": 4, **kw})
+
+
+def test_ngram_drafter_continues_the_longest_match():
+    ctx = np.array([5, 1, 2, 3, 4, 9, 9, 1, 2], dtype=np.int32)
+    tree = NgramDrafter(_cfg()).draft(DraftInput(ctx, root=3, query=None, index=None))
+    # suffix ... 1 2 3 matches at positions 1..3; continuation 4 9 9 1
+    node, toks = 0, []
+    while tree.children(node):
+        node = max(tree.children(node), key=lambda c: tree.weights[c])
+        toks.append(tree.tokens[node])
+    assert toks == [4, 9, 9, 1]
+    none = NgramDrafter(_cfg()).draft(DraftInput(ctx, root=77, query=None, index=None))
+    assert none.n_draft == 0
+
+
+def test_ngram_single_branch_is_linear_pld():
+    ctx = np.array([1, 2, 3, 1, 2, 4, 1], dtype=np.int32)
+    tree = NgramDrafter(_cfg(max_branches=1)).draft(DraftInput(ctx, 2, None, None))
+    assert all(len(tree.children(i)) <= 1 for i in range(len(tree)))
+    assert tree.n_draft > 0
+
+
+def test_semantic_drafter_gates_on_the_next_token():
+    dim = 8
+    rng = np.random.default_rng(0)
+    ctx = np.array([10, 11, 12, 13, 14, 15, 10, 11, 20, 21, 22], dtype=np.int32)
+    rows = rng.normal(size=(len(ctx), dim)).astype(np.float32)
+    idx = VectorIndex(dim, 64, "numpy")
+    idx.add(rows, np.arange(len(ctx)))
+    # query looks like position 0 (token 10), next token is 11 -> hit j=0 passes the gate
+    q = rows[0] + 0.01
+    tree = SemanticDrafter(_cfg(top_k=3, min_similarity=0.5)).draft(
+        DraftInput(ctx, root=11, query=q, index=idx))
+    assert tree.path_tokens(len(tree) - 1) == [12, 13, 14, 15]
+    # same query but the known next token differs -> the hit is gated out
+    gated = SemanticDrafter(_cfg(top_k=3, min_similarity=0.5)).draft(
+        DraftInput(ctx, root=99, query=q, index=idx))
+    assert gated.n_draft == 0
+    # weak similarity drafts nothing
+    weak = SemanticDrafter(_cfg(top_k=3, min_similarity=0.999)).draft(
+        DraftInput(ctx, root=11, query=rng.normal(size=dim).astype(np.float32), index=idx))
+    assert weak.n_draft == 0
+
+
+def test_hybrid_merges_both_sources_and_respects_budget():
+    ctx = np.array([1, 2, 3, 4, 5, 6, 1, 2], dtype=np.int32)
+    rows = np.eye(8, dtype=np.float32)
+    idx = VectorIndex(8, 16, "numpy")
+    idx.add(rows, np.arange(8))
+    cfg = _cfg(top_k=8, min_similarity=-1.0, max_nodes=3)
+    tree = HybridDrafter(cfg).draft(DraftInput(ctx, 3, rows[1], idx))
+    assert 0 < tree.n_draft <= 3
+    assert make_drafter("ar", cfg) is None
+    with pytest.raises(ValueError, match="accepted"):
+        make_drafter("turbo", cfg)

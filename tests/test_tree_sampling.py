@@ -1,0 +1,147 @@
+"""TokenTree and sampling: pure logic."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from srsd_local.config import SamplingParams
+from srsd_local.sampling import Sampler, distribution, walk_tree
+from srsd_local.tree import TokenTree
+
+
+def test_insert_shares_prefixes_and_accumulates_weight():
+    t = TokenTree(5)
+    t.insert([1, 2, 3], 0.5)
+    t.insert([1, 2, 4], 0.25)
+    t.insert([7], 1.0)
+    assert len(t) == 1 + 5  # root, 1, 2, 3, 4, 7
+    n1 = t.child(0, 1)
+    n2 = t.child(n1, 2)
+    assert t.weights[n1] == pytest.approx(0.75) and t.weights[n2] == pytest.approx(0.75)
+    assert t.depths[t.child(n2, 4)] == 3
+    assert t.path_tokens(t.child(n2, 3)) == [1, 2, 3]
+    assert t.child(0, 9) is None
+
+
+def test_prune_keeps_heaviest_connected_subtree_within_budget():
+    t = TokenTree(0)
+    t.insert([1, 2, 3, 4], 0.9)
+    t.insert([1, 2, 5], 0.5)
+    t.insert([6, 7], 0.3)
+    p = t.prune(max_nodes=4, max_depth=8, max_branches=8)
+    assert p.n_draft == 4
+    assert p.path_tokens(p.child(p.child(p.child(0, 1), 2), 3)) == [1, 2, 3]
+    # best-first: 1 (1.4), 2 (1.4), 3 (0.9), 4 (0.9) beat 5 (0.5) and 6 (0.3)
+    assert sorted(p.tokens[1:]) == [1, 2, 3, 4]
+    q = t.prune(max_nodes=5, max_depth=8, max_branches=8)
+    assert sorted(q.tokens[1:]) == [1, 2, 3, 4, 5]
+    d = t.prune(max_nodes=10, max_depth=2, max_branches=8)
+    assert max(d.depths) == 2
+    b = t.prune(max_nodes=10, max_depth=8, max_branches=1)
+    assert sum(1 for i in range(len(b)) if not b.children(i)) == 1
+    assert b.path_tokens(len(b) - 1) == [1, 2, 3, 4]
+
+
+def test_prune_is_deterministic():
+    t = TokenTree(0)
+    for k in range(6):
+        t.insert([k, k + 1, k + 2], 1.0)
+    a = t.prune(5, 3, 3)
+    b = t.prune(5, 3, 3)
+    assert a.tokens == b.tokens and a.parents == b.parents
+
+
+def test_layout_one_seq_id_per_leaf():
+    t = TokenTree(9)
+    t.insert([1, 2], 1.0)
+    t.insert([1, 3], 1.0)
+    t.insert([4], 1.0)
+    lay = t.layout()
+    assert lay.n_branches == 3
+    assert sorted(lay.seq_ids[0]) == [0, 1, 2]  # the root is on every path
+    n1 = t.child(0, 1)
+    assert len(lay.seq_ids[n1]) == 2
+    for leaf, b in lay.leaf_branch.items():
+        assert lay.seq_ids[leaf] == [b]
+    assert list(lay.depths) == t.depths and list(lay.tokens) == t.tokens
+    # every node's first id is a branch through it: walking up from its leaf reaches it
+    for node in range(len(t)):
+        b = lay.seq_ids[node][0]
+        leaf = next(k for k, v in lay.leaf_branch.items() if v == b)
+        up = leaf
+        while up not in (node, -1):
+            up = t.parents[up]
+        assert up == node
+
+
+def test_distribution_filters():
+    logits = np.log(np.array([0.5, 0.2, 0.15, 0.1, 0.05], dtype=np.float32))
+    ids, p = distribution(logits, SamplingParams(temperature=1.0))
+    assert list(ids) == [0, 1, 2, 3, 4] and p.sum() == pytest.approx(1.0)
+    ids, p = distribution(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert list(ids) == [0, 1] and p[0] == pytest.approx(0.5 / 0.7)
+    ids, _ = distribution(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    assert list(ids) == [0, 1, 2]
+    ids, _ = distribution(logits, SamplingParams(temperature=1.0, min_p=0.3))
+    assert list(ids) == [0, 1]
+    _, p_cold = distribution(logits, SamplingParams(temperature=0.1))
+    assert p_cold[0] > 0.99
+
+
+def test_top_p_on_a_large_flat_vocabulary_is_exact():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(scale=0.01, size=5000).astype(np.float32)
+    ids, p = distribution(logits, SamplingParams(temperature=1.0, top_p=0.9))
+    # the nucleus is wider than the sorted head: all of it must be found
+    assert len(ids) > 512
+    full = np.exp(logits - logits.max())
+    full /= full.sum()
+    order = np.argsort(-full, kind="stable")
+    k = int(np.searchsorted(np.cumsum(full[order]), 0.9)) + 1
+    assert set(ids.tolist()) == set(order[:k].tolist())
+
+
+def test_sampler_greedy_and_seeded():
+    logits = np.array([0.1, 3.0, 0.2, 2.9], dtype=np.float32)
+    assert Sampler(SamplingParams())(logits) == 1
+    rng = np.random.default_rng(1)
+    rows = rng.normal(size=(50, 100)).astype(np.float32)
+    a = [Sampler(SamplingParams(temperature=1.0, seed=3))(r) for r in rows]
+    s1, s2 = Sampler(SamplingParams(temperature=1.0, seed=3)), Sampler(SamplingParams(
+        temperature=1.0, seed=3))
+    assert [s1(r) for r in rows] == [s2(r) for r in rows]
+    s3 = Sampler(SamplingParams(temperature=1.0, seed=4))
+    assert [s3(r) for r in rows] != [s1(r) for r in rows] or a
+    counts = np.bincount([Sampler(SamplingParams(temperature=1.0, seed=i))(
+        np.log(np.array([0.7, 0.3], np.float32))) for i in range(400)], minlength=2)
+    assert 0.6 < counts[0] / 400 < 0.8
+
+
+def test_walk_tree_greedy():
+    t = TokenTree(0)
+    t.insert([1, 2, 3], 1.0)
+    t.insert([1, 4], 1.0)
+    # model says: after root -> 1, after 1 -> 4, after 4 -> 7
+    want = {0: 1, t.child(0, 1): 4, t.child(t.child(0, 1), 4): 7}
+
+    def row(i):
+        r = np.zeros(10, np.float32)
+        r[want.get(i, 0)] = 1.0
+        return r
+
+    path, y = walk_tree(t, row, Sampler(SamplingParams()))
+    assert [t.tokens[i] for i in path] == [0, 1, 4] and y == 7
+
+
+def test_walk_tree_rejects_at_root():
+    t = TokenTree(0)
+    t.insert([1, 2], 1.0)
+
+    def row(i):
+        r = np.zeros(10, np.float32)
+        r[5] = 1.0
+        return r
+
+    path, y = walk_tree(t, row, Sampler(SamplingParams()))
+    assert path == [0] and y == 5
