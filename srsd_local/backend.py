@@ -297,6 +297,29 @@ class Backend:
         raise DecodeError(f"llama_decode failed with code {rc} for a batch of {m} tokens "
                           "(invalid batch: positions, sequence ids or tokens out of range)")
 
+    def profile(self, sizes: Sequence[int], reps: int = 3) -> list[float]:
+        """Median seconds of one decode of n tokens (logits for all), for each n in sizes.
+        Uses and then clears the context."""
+        import time  # noqa: PLC0415
+
+        self.clear()
+        ctx = self.tokenize("The quick brown fox jumps over the lazy dog. " * 12)
+        self.decode(ctx, want_logits="none")
+        base = self.n_past
+        out = []
+        for n in sizes:
+            times = []
+            for _ in range(reps + 1):  # the first is a warm-up
+                t0 = time.perf_counter()
+                res = self.decode([ctx[1 + i % (len(ctx) - 1)] for i in range(n)],
+                                  want_logits="all")
+                np.argmax(res.logits, axis=1)
+                times.append(time.perf_counter() - t0)
+                self.trim(base)
+            out.append(float(np.median(times[1:])))
+        self.clear()
+        return out
+
     # -- KV cache -------------------------------------------------------------------------
     def fork(self, n_branches: int) -> None:
         """Copy sequence 0 into ids 1..n_branches-1 (branch 0 is sequence 0 itself)."""

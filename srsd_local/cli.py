@@ -51,6 +51,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import main_bench  # noqa: PLC0415
+    from .engine import Engine  # noqa: PLC0415
+
+    cfg = _engine_config(args)
+    cfg.setdefault("n_ctx", 4096)
+    return main_bench(args, lambda: Engine.load(args.model, **cfg))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="srsd-local",
@@ -71,12 +80,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mode", choices=MODES, default="srsd")
     g.set_defaults(func=_cmd_generate)
 
-    for register in _EXTRA_COMMANDS:
-        register(sub, _add_model_args, _engine_config)
+    b = sub.add_parser("bench", help="side-by-side speed of every mode on a workload")
+    b.add_argument("--workload", default="code_edit",
+                   help="code_edit, text_edit, humaneval, code_continue, open, all, or a "
+                        ".jsonl file ({id, category, prompt, max_tokens[, temperature, seed]})")
+    b.add_argument("--modes", default="ar,pld,srsd,hybrid,lcp-pld",
+                   help="comma-separated: ar, pld, srsd, hybrid, lcp-pld (llama-cpp-python's "
+                        "prompt lookup, the external peer)")
+    _add_model_args(b)
+    b.add_argument("--max-prompts", type=int, default=None, help="at most N prompts a category")
+    b.add_argument("--repeats", type=int, default=1)
+    b.add_argument("--json", default=None, help="write the full results here")
+    b.add_argument("--plot", default=None, help="write a PNG plot here")
+    b.add_argument("--doc", default=None,
+                   help="rewrite this markdown file's section for --label (docs/benchmarks.md)")
+    b.add_argument("--label", default="CPU", help="section name in --doc")
+    b.set_defaults(func=_cmd_bench)
     return parser
-
-
-_EXTRA_COMMANDS: list = []
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,14 +59,19 @@ class SRSDConfig:
     index_backend: str = "auto"
     top_k: int = 10
     min_similarity: float = 0.2
-    # token tree
-    draft_depth: int = 12
-    max_nodes: int = 16
-    max_branches: int = 4
-    # n-gram drafter
+    # token tree: the drafters' candidates are bounded by these; with `adaptive` the
+    # controller then keeps the sub-tree that maximises expected tokens per second
+    draft_depth: int = 16
+    max_nodes: int = 32
+    max_branches: int = 8
+    adaptive: bool = True
+    # n-gram drafter (in srsd/hybrid trees, and as mode "pld")
     ngram_max: int = 4
     ngram_min: int = 1
     ngram_matches: int = 4
+    # mode "pld" is the classic baseline: one linear draft of this many tokens from the
+    # longest, most recent n-gram match, verified whenever there is a match (no controller)
+    pld_draft_len: int = 10
 
     def __post_init__(self) -> None:
         _int("n_ctx", self.n_ctx, 64)
@@ -88,9 +93,13 @@ class SRSDConfig:
         _int("draft_depth", self.draft_depth, 1, 255)
         _int("max_nodes", self.max_nodes, 1, 255)
         _int("max_branches", self.max_branches, 1, 255)
+        _check(isinstance(self.adaptive, bool), "adaptive", self.adaptive, "True or False")
         _int("ngram_max", self.ngram_max, 1, 64)
         _int("ngram_min", self.ngram_min, 1, self.ngram_max)
         _int("ngram_matches", self.ngram_matches, 1, 64)
+        _int("pld_draft_len", self.pld_draft_len, 1, 255)
+        _check(self.pld_draft_len + 1 <= self.n_ubatch, "pld_draft_len", self.pld_draft_len,
+               f"a value < n_ubatch ({self.n_ubatch})")
         _check(self.n_ubatch <= self.n_batch, "n_ubatch", self.n_ubatch,
                f"a value <= n_batch ({self.n_batch})")
         _check(self.max_nodes + 1 <= self.n_ubatch, "max_nodes", self.max_nodes,

@@ -118,12 +118,15 @@ class HybridDrafter(Drafter):
 
 
 def make_drafter(mode: str, config: SRSDConfig) -> Drafter | None:
-    """The drafter for a generation mode; None for plain decoding."""
-    table: dict[str, type[Drafter]] = {
-        "srsd": SemanticDrafter, "pld": NgramDrafter, "hybrid": HybridDrafter,
-    }
+    """The drafter for a generation mode; None for plain decoding. Mode "pld" is classic
+    prompt lookup: one linear draft of `pld_draft_len` tokens from the best match."""
     if mode == "ar":
         return None
+    if mode == "pld":
+        return NgramDrafter(config.with_(ngram_matches=1, max_branches=1, adaptive=False,
+                                         draft_depth=config.pld_draft_len,
+                                         max_nodes=config.pld_draft_len))
+    table: dict[str, type[Drafter]] = {"srsd": SemanticDrafter, "hybrid": HybridDrafter}
     if mode not in table:
-        raise ValueError(f"unknown mode {mode!r}: accepted are ar, " + ", ".join(table))
+        raise ValueError(f"unknown mode {mode!r}: accepted are ar, pld, " + ", ".join(table))
     return table[mode](config)

@@ -14,6 +14,7 @@ Contract:
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -25,9 +26,10 @@ import numpy as np
 from .backend import Backend, ContextFullError, TextStream
 from .chat import render_chat
 from .config import MODES, SamplingParams, SRSDConfig
+from .controller import AcceptanceModel, CostModel, choose, evidence, load_json
 from .drafters import Drafter, DraftInput, make_drafter
 from .index import VectorIndex
-from .models import resolve_model
+from .models import cache_dir, resolve_model
 from .sampling import Sampler, walk_tree
 
 
@@ -44,7 +46,9 @@ class GenerationStats:
     draft_tokens: int = 0  # drafted nodes verified
     accepted_tokens: int = 0  # drafted nodes accepted
     accepted_per_depth: list[int] = field(default_factory=list)  # accepted at depth d+1
+    predicted_per_depth: list[float] = field(default_factory=list)  # controller's forecast
     tokens_per_step: list[int] = field(default_factory=list)
+    tree_sizes: list[int] = field(default_factory=list)  # tokens decoded per step
     time_draft: float = 0.0
     time_verify: float = 0.0
     time_index: float = 0.0
@@ -134,9 +138,13 @@ def _check_stop(stop: str | Sequence[str] | None) -> list[str]:
 class Engine:
     """One model, one context, one generation at a time."""
 
-    def __init__(self, backend: Backend, config: SRSDConfig) -> None:
+    def __init__(self, backend: Backend, config: SRSDConfig, cost: CostModel | None = None
+                 ) -> None:
         self.backend = backend
         self.config = config
+        # without a measured profile, verification is assumed as cheap as a plain step
+        self.cost = cost or CostModel([1, 2], [1.0, 1.0])
+        self.acceptance = AcceptanceModel()
         self.index = VectorIndex(backend.n_embd, backend.n_ctx, config.index_backend)
         self._ctx = np.zeros(backend.n_ctx + 1, dtype=np.int32)  # tokens in sequence 0
         self._last_hidden: np.ndarray | None = None  # hidden row of position n_past-1
@@ -147,7 +155,13 @@ class Engine:
         cfg = config.pop("config", None) or SRSDConfig()
         cfg = cfg.with_(**config) if config else cfg
         path = resolve_model(model)
-        return cls(Backend(path, cfg, capture_layer=cfg.layer), cfg)
+        backend = Backend(path, cfg, capture_layer=cfg.layer)
+        try:
+            cost = load_cost_model(backend, cfg) if cfg.adaptive else None
+        except BaseException:
+            backend.close()
+            raise
+        return cls(backend, cfg, cost)
 
     def close(self) -> None:
         self.backend.close()
@@ -274,16 +288,19 @@ class Engine:
                 return
             yield StreamEvent("".join(chunks), out_ids, out_flags)
 
-            # 3. draft a tree rooted at x
+            # 3. draft a tree rooted at x; the controller keeps what pays for itself
             n = be.n_past
             ta = time.perf_counter()
-            tree = None
+            tree, plan = None, None
             if drafter is not None:
-                room = min(self.config.max_nodes, be.n_ctx - n - 2)
+                room = min(drafter.config.max_nodes, be.n_ctx - n - 2)
                 if room > 0:
                     tree = drafter.draft(DraftInput(self._ctx[:n], x, self._last_hidden,
                                                     self.index if needs_index else None),
                                          max_nodes=room)
+                    if tree.n_draft and drafter.config.adaptive:
+                        plan = self._plan(tree, mode, params.greedy, room)
+                        tree = plan.tree
             tb = time.perf_counter()
             stats.time_draft += tb - ta
 
@@ -303,10 +320,11 @@ class Engine:
                 stats.drafts += 1
                 stats.draft_tokens += tree.n_draft
                 stats.accepted_tokens += len(path) - 1
-                for d in range(1, len(path)):
-                    if len(stats.accepted_per_depth) < d:
-                        stats.accepted_per_depth.append(0)
-                    stats.accepted_per_depth[d - 1] += 1
+                _add_per_depth(stats.accepted_per_depth, [1] * (len(path) - 1),
+                               range(1, len(path)))
+                if plan is not None:
+                    _add_per_depth(stats.predicted_per_depth, plan.probs[1:], tree.depths[1:])
+                    self._learn(plan, path, mode, params.greedy)
             tc = time.perf_counter()
             stats.time_verify += tc - tb
             stats.steps += 1
@@ -318,10 +336,33 @@ class Engine:
                 rows = out.hidden[path]
                 self.index.add(rows, np.arange(n, n + len(path)))
                 self._last_hidden = rows[-1].copy()
-            stats.time_index += time.perf_counter() - tc
+            td = time.perf_counter()
+            stats.time_index += td - tc
+            stats.tree_sizes.append(len(path) if tree is None else len(tree))
+            if self.config.adaptive:
+                self.cost.observe(stats.tree_sizes[-1], td - ta)
             pending = path_tokens[1:] + [y]
             drafted_flags = [True] * (len(path) - 1) + [False]
             x = y
+
+    # -- the controller -----------------------------------------------------------------------
+    def _plan(self, tree, mode: str, greedy: bool, room: int):
+        ev = evidence(tree)
+        acc = self.acceptance
+        q = [1.0] + [acc.q_explore(e, mode, greedy) for e in ev[1:]]
+        q_mean = [1.0] + [acc.q(e, mode, greedy) for e in ev[1:]]
+        n_max = min(room, len(tree) - 1) + 1
+        cost = np.interp(np.arange(n_max + 1), self.cost.sizes, self.cost.seconds)
+        if n_max > self.cost.sizes[-1]:
+            cost = self.cost.table(n_max)
+        return choose(tree, q, cost, self.config.max_branches, q_mean)
+
+    def _learn(self, plan, path: list[int], mode: str, greedy: bool) -> None:
+        on_path = set(path)
+        tree = plan.tree
+        for node in range(1, len(tree)):
+            if tree.parents[node] in on_path:
+                self.acceptance.update(plan.evidence[node], mode, greedy, node in on_path)
 
     def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:
         return collect(self.stream(prompt, **kwargs))
@@ -332,6 +373,37 @@ class Engine:
 
     def chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> GenerationResult:
         return collect(self.chat_stream(messages, **kwargs))
+
+
+def _add_per_depth(acc: list, values, depths) -> None:
+    for v, d in zip(values, depths):
+        while len(acc) < d:
+            acc.append(0)
+        acc[d - 1] += v
+
+
+def load_cost_model(backend: Backend, cfg: SRSDConfig) -> CostModel:
+    """The step-cost profile of this model file, device and thread count: cached, else measured
+    now (about a second or two on a CPU)."""
+    import hashlib  # noqa: PLC0415
+
+    from .backend import gpu_offload_supported  # noqa: PLC0415
+
+    n_max = min(cfg.max_nodes + 1, backend.n_batch)
+    sizes = [n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128) if n < n_max]
+    sizes.append(n_max)
+    st = Path(backend.model_path).stat()
+    key = "|".join(str(v) for v in (Path(backend.model_path).resolve(), st.st_size, st.st_mtime_ns,
+                                    cfg.threads, cfg.n_gpu_layers, gpu_offload_supported(),
+                                    backend.n_batch, sizes))
+    path = cache_dir() / "profiles" / (hashlib.sha1(key.encode()).hexdigest() + ".json")
+    cached = load_json(path)
+    if cached and cached.get("key") == key:
+        return CostModel.from_dict(cached)
+    model = CostModel(sizes, backend.profile(sizes))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"key": key, **model.to_dict()}), encoding="utf-8")
+    return model
 
 
 def collect(events: Iterator[StreamEvent]) -> GenerationResult:

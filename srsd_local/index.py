@@ -93,6 +93,9 @@ class VectorIndex:
             cfg = faiss.GpuIndexFlatConfig()
             cfg.useFloat16 = True
             return faiss.GpuIndexFlatIP(self._gpu_res, self.dim, cfg)
+        # one query over a few thousand rows gains nothing from threads, and faiss's OpenMP
+        # workers keep spinning after a search, taking the cores llama.cpp decodes on
+        faiss.omp_set_num_threads(1)
         return faiss.IndexScalarQuantizer(self.dim, faiss.ScalarQuantizer.QT_fp16,
                                           faiss.METRIC_INNER_PRODUCT)
 

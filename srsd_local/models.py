@@ -33,6 +33,14 @@ def models_dir() -> Path:
     return cache / "srsd-local" / "models"
 
 
+def cache_dir() -> Path:
+    """Per-user cache for measured profiles and calibrations ($SRSD_CACHE_DIR overrides)."""
+    env = os.environ.get("SRSD_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "srsd-local"
+
+
 def _sha256(path: Path, desc: str | None = None) -> str:
     h = hashlib.sha256()
     size = path.stat().st_size

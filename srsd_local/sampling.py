@@ -18,24 +18,29 @@ _HEAD = 512  # candidates sorted first when looking for the top-p nucleus
 
 
 def distribution(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
-    """The processed distribution: (token ids, probabilities), most probable first.
+    """The processed distribution: (token ids, probabilities).
 
     Order of processing: top-k, temperature softmax, min-p, top-p (as llama.cpp's chain).
-    Ties are broken by token id so the result is deterministic.
+    With top-p the candidates come most probable first (ties by token id); otherwise in
+    token-id order, which saves sorting a 262k-entry vocabulary at every step. Either order
+    is deterministic, which is all sampling needs.
     """
     x = np.asarray(logits, dtype=np.float32).reshape(-1)
     n_vocab = x.shape[0]
     if 0 < params.top_k < n_vocab:
-        ids = np.argpartition(x, n_vocab - params.top_k)[n_vocab - params.top_k:]
+        ids = np.sort(np.argpartition(x, n_vocab - params.top_k)[n_vocab - params.top_k:])
+        z = x[ids]
     else:
-        ids = np.arange(n_vocab)
-    z = x[ids].astype(np.float64) / max(params.temperature, 1e-6)
-    z -= z.max()
+        ids, z = None, x
+    z = (z - z.max()) * np.float32(1.0 / max(params.temperature, 1e-6))
     p = np.exp(z)
-    p /= p.sum()
+    p /= p.sum(dtype=np.float64)
     if params.min_p > 0.0:
-        keep = p >= params.min_p * p.max()
-        ids, p = ids[keep], p[keep]
+        keep = np.flatnonzero(p >= params.min_p * p.max())
+        ids = keep if ids is None else ids[keep]
+        p = p[keep]
+    if ids is None:
+        ids = np.arange(n_vocab)
     if params.top_p < 1.0:
         head = np.arange(len(p))
         if len(p) > _HEAD:
@@ -46,10 +51,29 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray
         n_keep = int(np.searchsorted(np.cumsum(p[head]), params.top_p)) + 1
         head = head[:n_keep]
         ids, p = ids[head], p[head]
-    else:
-        order = np.lexsort((ids, -p))
-        ids, p = ids[order], p[order]
     return ids, p / p.sum()
+
+
+_BLOCK = 512
+
+
+def _pick(p: np.ndarray, u: float) -> int:
+    """Index i with cumsum(p)[i-1] <= u * sum(p) < cumsum(p)[i], in two levels (block sums,
+    then one block) so a 262k-entry vocabulary needs no full-length cumulative sum."""
+    n = len(p)
+    target = u * float(p.sum(dtype=np.float64))
+    if n <= 4 * _BLOCK:
+        return min(int(np.searchsorted(np.cumsum(p, dtype=np.float64), target, "right")), n - 1)
+    n_full = n // _BLOCK * _BLOCK
+    sums = p[:n_full].reshape(-1, _BLOCK).sum(axis=1, dtype=np.float64)
+    if n_full < n:
+        sums = np.append(sums, p[n_full:].sum(dtype=np.float64))
+    csum = np.cumsum(sums)
+    b = min(int(np.searchsorted(csum, target, "right")), len(sums) - 1)
+    before = csum[b - 1] if b else 0.0
+    block = p[b * _BLOCK: (b + 1) * _BLOCK]
+    j = int(np.searchsorted(np.cumsum(block, dtype=np.float64), target - before, "right"))
+    return min(b * _BLOCK + j, n - 1)
 
 
 class Sampler:
@@ -63,9 +87,7 @@ class Sampler:
         if self.params.greedy:
             return int(np.argmax(logits))
         ids, p = distribution(logits, self.params)
-        u = self.rng.random()
-        i = int(np.searchsorted(np.cumsum(p), u, side="right"))
-        return int(ids[min(i, len(ids) - 1)])
+        return int(ids[_pick(p, self.rng.random())])
 
 
 def walk_tree(tree: TokenTree, row: Callable[[int], np.ndarray], sample: Sampler

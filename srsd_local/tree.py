@@ -34,6 +34,7 @@ class TokenTree:
         self.parents: list[int] = [-1]
         self.depths: list[int] = [0]
         self.weights: list[float] = [0.0]
+        self.counts: list[int] = [0]  # drafts through each node
         self._children: list[dict[int, int]] = [{}]
 
     def __len__(self) -> int:
@@ -56,6 +57,7 @@ class TokenTree:
         self.parents.append(parent)
         self.depths.append(self.depths[parent] + 1)
         self.weights.append(weight)
+        self.counts.append(0)
         self._children.append({})
         self._children[parent][int(token)] = idx
         return idx
@@ -64,11 +66,13 @@ class TokenTree:
         """Add a draft that follows the root; shared prefixes are stored once."""
         node = 0
         self.weights[0] += weight
+        self.counts[0] += 1
         for tok in path:
             nxt = self._children[node].get(int(tok))
             if nxt is None:
                 nxt = self.add_node(node, int(tok))
             self.weights[nxt] += weight
+            self.counts[nxt] += 1
             node = nxt
 
     def path_tokens(self, node: int) -> list[int]:
@@ -86,7 +90,7 @@ class TokenTree:
         is the connected sub-tree of highest cumulative weight within the budget.
         """
         out = TokenTree(self.tokens[0])
-        out.weights[0] = self.weights[0]
+        out.weights[0], out.counts[0] = self.weights[0], self.counts[0]
         leaves = 1
         heap: list[tuple[float, int, int, int]] = []  # (-weight, depth, old index, new parent)
 
@@ -103,6 +107,7 @@ class TokenTree:
                 continue
             leaves += opens_leaf
             new = out.add_node(new_parent, self.tokens[old], self.weights[old])
+            out.counts[new] = self.counts[old]
             push_children(old, new)
         return out
 

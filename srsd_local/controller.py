@@ -1,0 +1,195 @@
+"""Adaptive speculation: how big a tree is worth verifying this step. Pure python/numpy.
+
+- `CostModel`: t(n), seconds for one step that decodes n tokens (n=1 is a plain step),
+  from a profile taken at load and refined online from real steps.
+- `AcceptanceModel`: the probability that a drafted node is accepted given that its parent
+  was, from its retrieval evidence (depth, share of drafts through it, their strength),
+  calibrated online from verification outcomes (Beta counts with back-off to coarser keys).
+- `choose()`: the sub-tree (possibly just the root, a plain step) that maximises expected
+  emitted tokens per second, (1 + E[accepted]) / t(n).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .tree import TokenTree
+
+
+class CostModel:
+    """Latency of a step as a function of the number of decoded tokens."""
+
+    def __init__(self, sizes: Sequence[int], seconds: Sequence[float], alpha: float = 0.1
+                 ) -> None:
+        if len(sizes) == 0 or len(sizes) != len(seconds) or sizes[0] != 1:
+            raise ValueError("a cost profile needs sizes starting at 1 and one time per size")
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+        self.seconds = np.asarray(seconds, dtype=np.float64)
+        self.alpha = alpha
+
+    def t(self, n: int) -> float:
+        if n >= self.sizes[-1] and len(self.sizes) > 1:  # extrapolate with the last slope
+            s0, s1 = self.sizes[-2], self.sizes[-1]
+            slope = (self.seconds[-1] - self.seconds[-2]) / (s1 - s0)
+            return float(self.seconds[-1] + slope * (n - s1))
+        return float(np.interp(n, self.sizes, self.seconds))
+
+    def table(self, n_max: int) -> np.ndarray:
+        """t(1..n_max) as an array indexed by n (index 0 unused)."""
+        return np.array([0.0] + [self.t(n) for n in range(1, n_max + 1)])
+
+    def observe(self, n: int, seconds: float) -> None:
+        """Move the two profile points around n towards a measured step time."""
+        idx = int(np.searchsorted(self.sizes, n))
+        if idx < len(self.sizes) and self.sizes[idx] == n:
+            self.seconds[idx] += self.alpha * (seconds - self.seconds[idx])
+            return
+        lo, hi = max(idx - 1, 0), min(idx, len(self.sizes) - 1)
+        err = seconds - self.t(n)
+        for j in {lo, hi}:
+            self.seconds[j] += self.alpha * err * 0.5
+        self.seconds[1:] = np.maximum(self.seconds[1:], self.seconds[0] * 0.5)
+
+    def to_dict(self) -> dict:
+        return {"sizes": self.sizes.tolist(), "seconds": self.seconds.tolist()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostModel:
+        return cls(d["sizes"], d["seconds"])
+
+
+def _bucket(x: float, edges: Sequence[float]) -> int:
+    for i, e in enumerate(edges):
+        if x < e:
+            return i
+    return len(edges)
+
+
+@dataclass
+class NodeEvidence:
+    depth: int
+    share: float  # drafts through this node / drafts through the root
+    strength: float  # mean weight of the drafts through this node
+    n_drafts: int  # drafts through the root
+
+    def keys(self, source: str, greedy: bool) -> tuple[tuple, tuple]:
+        coarse = (source, greedy, min(self.depth, 12))
+        fine = coarse + (_bucket(self.share, (0.34, 0.67, 0.999)),
+                         _bucket(self.strength, (0.4, 0.6, 0.8, 0.9)),
+                         _bucket(self.n_drafts, (2, 4)))
+        return coarse, fine
+
+
+@dataclass
+class AcceptanceModel:
+    """P(node accepted | parent accepted), calibrated online.
+
+    `q()` is the posterior mean (what is reported as predicted acceptance); `q_explore()` adds
+    an optimism bonus that shrinks with the evidence seen, so kinds of nodes that were never
+    verified still get tried and calibrated instead of being ruled out by the prior.
+    """
+
+    prior: float = 0.6
+    strength: float = 4.0  # pseudo-counts of the prior at each back-off level
+    bonus: float = 0.35
+    counts: dict = field(default_factory=dict)  # key -> [accepted, tried]
+
+    def _post(self, ev: NodeEvidence, source: str, greedy: bool) -> tuple[float, int]:
+        coarse, fine = ev.keys(source, greedy)
+        a, n = self.counts.get(coarse, (0, 0))
+        qc = (a + self.strength * self.prior) / (n + self.strength)
+        a, n = self.counts.get(fine, (0, 0))
+        return (a + self.strength * qc) / (n + self.strength), n
+
+    def q(self, ev: NodeEvidence, source: str, greedy: bool) -> float:
+        return self._post(ev, source, greedy)[0]
+
+    def q_explore(self, ev: NodeEvidence, source: str, greedy: bool) -> float:
+        mean, n = self._post(ev, source, greedy)
+        return min(1.0, mean + self.bonus / (1.0 + n) ** 0.5)
+
+    def update(self, ev: NodeEvidence, source: str, greedy: bool, accepted: bool) -> None:
+        for key in ev.keys(source, greedy):
+            c = self.counts.setdefault(key, [0, 0])
+            c[0] += int(accepted)
+            c[1] += 1
+
+
+def evidence(tree: TokenTree) -> list[NodeEvidence | None]:
+    root_count = max(tree.counts[0], 1)
+    out: list[NodeEvidence | None] = [None]
+    for i in range(1, len(tree)):
+        c = max(tree.counts[i], 1)
+        out.append(NodeEvidence(tree.depths[i], tree.counts[i] / root_count,
+                                tree.weights[i] / c, root_count))
+    return out
+
+
+@dataclass
+class Plan:
+    tree: TokenTree  # the chosen sub-tree (root only: a plain step)
+    probs: list[float]  # predicted P(accepted) of each node of `tree` (root: 1)
+    evidence: list[NodeEvidence | None]  # per node of `tree`
+    expected_accepted: float
+
+
+def _path_probs(tree: TokenTree, q: Sequence[float]) -> np.ndarray:
+    p = np.ones(len(tree))
+    for i in range(1, len(tree)):  # parents come before children
+        p[i] = p[tree.parents[i]] * q[i]
+    return p
+
+
+def choose(tree: TokenTree, q: Sequence[float], cost: np.ndarray, max_branches: int,
+           q_report: Sequence[float] | None = None) -> Plan:
+    """Best sub-tree by expected tokens per second.
+
+    q[i] is node i's conditional acceptance; p[i] = p[parent] * q[i]. The best sub-tree of k
+    nodes holds the k most probable nodes (p never grows down a path, so they are
+    connected); k = 0 is a plain step. cost[n] is t(n) for n = 1..len(cost)-1. The plan
+    reports probabilities from `q_report` (default: q).
+    """
+    n_nodes = len(tree)
+    p = _path_probs(tree, q)
+    p_rep = p if q_report is None else _path_probs(tree, q_report)
+    order = sorted(range(1, n_nodes), key=lambda i: (-p[i], tree.depths[i], i))
+    order = order[: len(cost) - 2]
+    best_k, best_rate, cum = 0, 1.0 / cost[1], 0.0
+    for k, node in enumerate(order, 1):
+        cum += p[node]
+        rate = (1.0 + cum) / cost[k + 1]
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    keep = set(order[:best_k])
+    out = TokenTree(tree.tokens[0])
+    out.weights[0], out.counts[0] = tree.weights[0], tree.counts[0]
+    new_of = {0: 0}
+    probs, leaves = [1.0], 1
+    for node in sorted(keep, key=lambda i: (-p[i], tree.depths[i], i)):
+        parent = tree.parents[node]
+        if parent not in new_of:
+            continue  # its parent was dropped for the branch limit
+        opens_leaf = bool(out.children(new_of[parent]))
+        if opens_leaf and leaves >= max_branches:
+            continue
+        leaves += opens_leaf
+        new = out.add_node(new_of[parent], tree.tokens[node], tree.weights[node])
+        out.counts[new] = tree.counts[node]
+        new_of[node] = new
+        probs.append(float(p_rep[node]))
+    ev_all = evidence(tree)
+    old_of = {v: k for k, v in new_of.items()}
+    ev = [ev_all[old_of[i]] for i in range(len(out))]
+    return Plan(out, probs, ev, float(sum(probs) - 1.0))
+
+
+def load_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
