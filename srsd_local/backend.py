@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .capture import HiddenCapture, resolve_layer
+from .capture import CompiledCapture, HiddenCapture, make_capture, resolve_layer
 from .config import SRSDConfig
 
 
@@ -94,7 +94,7 @@ class Backend:
             raise ValueError(f"llama.cpp could not load the model {self.model_path!r} "
                              "(is it a GGUF of an architecture this llama.cpp supports?)")
         self.ctx = None
-        self.capture: HiddenCapture | None = None
+        self.capture: HiddenCapture | CompiledCapture | None = None
         try:
             self.vocab = L.llama_model_get_vocab(self.model)
             self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
@@ -103,7 +103,8 @@ class Backend:
             self.layer = None
             if capture_layer is not None:
                 self.layer = resolve_layer(capture_layer, self.n_layer)
-                self.capture = HiddenCapture([self.layer])
+                self.capture = make_capture(self.layer, max(config.n_batch, config.n_ubatch),
+                                            self.n_embd)
             cparams = L.llama_context_default_params()
             cparams.n_ctx = config.n_ctx
             cparams.n_batch = config.n_batch
@@ -115,7 +116,7 @@ class Backend:
             cparams.no_perf = True
             if self.capture is not None:
                 cparams.cb_eval = self.capture.callback
-                cparams.cb_eval_user_data = None
+                cparams.cb_eval_user_data = self.capture.user_data
             self.ctx = L.llama_init_from_model(self.model, cparams)
             if not self.ctx:
                 raise ValueError(f"llama.cpp could not create a context with n_ctx={config.n_ctx}"

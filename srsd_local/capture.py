@@ -5,11 +5,23 @@ The scheduler asks the callback about every graph node (``ask=True``); we answer
 callback is called again (``ask=False``) and the rows are copied out with
 ``ggml_backend_tensor_get``, which also works when the tensor lives on a GPU. Rows of one
 decode are concatenated across ubatches.
+
+Two implementations with one interface: a callback in C (``_capture.c``, compiled with the
+system's C compiler on first use and cached), and the same logic in Python, used where no
+compiler is found or when ``SRSD_CAPTURE=python``. The Python one costs a Python call for
+each of the ~700 graph nodes of every decode.
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+from pathlib import Path
 
 import numpy as np
 
@@ -49,7 +61,9 @@ def resolve_layer(layer: int | float, n_layer: int) -> int:
 
 
 class HiddenCapture:
-    """Collects rows of the wanted layers during each decode."""
+    """Collects rows of the wanted layers during each decode (Python callback)."""
+
+    kind = "python"
 
     def __init__(self, layers: list[int]) -> None:
         from llama_cpp import llama_cpp as L  # noqa: PLC0415
@@ -91,3 +105,110 @@ class HiddenCapture:
             return None
         rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
         return rows.astype(np.float32, copy=False)
+
+    @property
+    def user_data(self):
+        return None
+
+
+class _CState(ctypes.Structure):
+    _fields_ = [("get_name", ctypes.c_void_p), ("nbytes", ctypes.c_void_p),
+                ("tensor_get", ctypes.c_void_p), ("name", ctypes.c_char * 64),
+                ("enabled", ctypes.c_int32), ("type", ctypes.c_int32),
+                ("buf", ctypes.c_void_p), ("cap", ctypes.c_size_t), ("used", ctypes.c_size_t),
+                ("ne0", ctypes.c_int64), ("rows", ctypes.c_int64), ("overflow", ctypes.c_int32)]
+
+
+def _compiler() -> str | None:
+    for cand in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cand and shutil.which(cand):
+            return cand
+    return None
+
+
+def compiled_callback_library() -> Path | None:
+    """Path of the compiled C callback (built once into the cache), or None."""
+    from .models import cache_dir  # noqa: PLC0415
+
+    src = resources.files("srsd_local").joinpath("_capture.c").read_bytes()
+    out = cache_dir() / "capture" / f"capture-{hashlib.sha1(src).hexdigest()[:12]}.so"
+    if out.exists():
+        return out
+    cc = _compiler()
+    if cc is None:
+        return None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        c_file = Path(tmp) / "capture.c"
+        c_file.write_bytes(src)
+        so = Path(tmp) / "capture.so"
+        proc = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(so), str(c_file)],
+                              capture_output=True, timeout=120)
+        if proc.returncode != 0 or not so.exists():
+            return None
+        os.replace(so, out)
+    return out
+
+
+class CompiledCapture:
+    """The same capture with the callback in C: one layer, rows into a preallocated buffer."""
+
+    kind = "c"
+
+    def __init__(self, layer: int, max_rows: int, n_embd: int, lib_path: Path) -> None:
+        from llama_cpp import llama_cpp as L  # noqa: PLC0415
+
+        ggml = _ggml_lib()
+        self._lib = ctypes.CDLL(str(lib_path))
+        self.layers = [layer]
+        self._buf = np.zeros(max_rows * n_embd, dtype=np.float32)
+        st = self._state = _CState()
+        st.get_name = ctypes.cast(ggml.ggml_get_name, ctypes.c_void_p).value
+        st.nbytes = ctypes.cast(ggml.ggml_nbytes, ctypes.c_void_p).value
+        st.tensor_get = ctypes.cast(ggml.ggml_backend_tensor_get, ctypes.c_void_p).value
+        st.name = f"l_out-{layer}".encode()
+        st.enabled = 1
+        st.buf = self._buf.ctypes.data
+        st.cap = self._buf.nbytes
+        fn = ctypes.cast(self._lib.srsd_capture_cb, ctypes.c_void_p).value
+        self.callback = L.ggml_backend_sched_eval_callback(fn)
+        self.user_data = ctypes.cast(ctypes.pointer(st), ctypes.c_void_p)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._state.enabled)
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self._state.enabled = int(bool(value))
+
+    def reset(self) -> None:
+        self._state.used = 0
+        self._state.rows = 0
+        self._state.overflow = 0
+
+    def rows(self, layer: int | None = None) -> np.ndarray | None:
+        st = self._state
+        if st.overflow:
+            raise RuntimeError("hidden-state capture buffer overflow")
+        if st.rows == 0:
+            return None
+        if st.type == _GGML_TYPE_F16:
+            raw = self._buf.view(np.float16)[: st.rows * st.ne0]
+        elif st.type == _GGML_TYPE_F32:
+            raw = self._buf[: st.rows * st.ne0]
+        else:
+            raise RuntimeError(f"l_out-{self.layers[0]} has unsupported ggml type {st.type}")
+        return raw.reshape(st.rows, st.ne0).astype(np.float32, copy=True)
+
+
+def make_capture(layer: int, max_rows: int, n_embd: int) -> HiddenCapture | CompiledCapture:
+    """The C capture where a compiler is available (and not disabled), else Python."""
+    if os.environ.get("SRSD_CAPTURE", "").lower() != "python":
+        try:
+            lib = compiled_callback_library()
+        except (OSError, subprocess.SubprocessError):
+            lib = None
+        if lib is not None:
+            return CompiledCapture(layer, max_rows, n_embd, lib)
+    return HiddenCapture([layer])

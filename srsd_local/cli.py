@@ -96,7 +96,62 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rewrite this markdown file's section for --label (docs/benchmarks.md)")
     b.add_argument("--label", default="CPU", help="section name in --doc")
     b.set_defaults(func=_cmd_bench)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (and the UI under /ui)")
+    _add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.add_argument("--mode", choices=MODES, default="srsd", help="default decoding mode")
+    s.add_argument("--alias", default=None, help="model id to report (default: file name)")
+    s.add_argument("--max-queue", type=int, default=16,
+                   help="requests that may wait for the engine before 429")
+    s.add_argument("--no-ui", action="store_true", help="do not mount the UI under /ui")
+    s.set_defaults(func=_cmd_serve)
+
+    c = sub.add_parser("calibrate", help="measure the best retrieval layer (and top-k, depth) "
+                       "for a model and store it")
+    _add_model_args(c)
+    c.add_argument("--workload", default="code_edit")
+    c.add_argument("--max-prompts", type=int, default=4)
+    c.add_argument("--max-tokens", type=int, default=64)
+    c.add_argument("--layers", default=None, help="comma-separated layer indices to try")
+    c.set_defaults(func=_cmd_calibrate)
+
+    u = sub.add_parser("ui", help="the Gradio chat and editor UI")
+    _add_model_args(u)
+    u.add_argument("--host", default="127.0.0.1")
+    u.add_argument("--port", type=int, default=7860)
+    u.set_defaults(func=_cmd_ui)
     return parser
+
+
+def _cmd_calibrate(args: argparse.Namespace) -> int:
+    from .bench import load_workload  # noqa: PLC0415
+    from .calibrate import calibrate  # noqa: PLC0415
+    from .engine import Engine  # noqa: PLC0415
+    from .models import resolve_model  # noqa: PLC0415
+
+    path = str(resolve_model(args.model))
+    prompts = load_workload(args.workload)[: args.max_prompts]
+    layers = [int(x) for x in args.layers.split(",")] if args.layers else None
+    cfg = _engine_config(args)
+    res = calibrate(lambda **kw: Engine.load(path, **cfg, **kw), path, prompts, layers=layers,
+                    max_tokens=args.max_tokens, progress=lambda s: print(s, file=sys.stderr))
+    print(f"best: layer {res['layer']} of {res['n_layer']}, top_k {res['top_k']}, draft_depth "
+          f"{res['draft_depth']}; stored in {res['path']}")
+    return 0
+
+
+def _cmd_ui(args: argparse.Namespace) -> int:
+    from .ui import run_ui  # noqa: PLC0415
+
+    return run_ui(args)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .server import serve  # noqa: PLC0415
+
+    return serve(args)
 
 
 def main(argv: list[str] | None = None) -> int:

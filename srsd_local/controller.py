@@ -113,11 +113,22 @@ class AcceptanceModel:
         mean, n = self._post(ev, source, greedy)
         return min(1.0, mean + self.bonus / (1.0 + n) ** 0.5)
 
+    horizon: int = 2000  # older outcomes fade once a key has this many
+
     def update(self, ev: NodeEvidence, source: str, greedy: bool, accepted: bool) -> None:
         for key in ev.keys(source, greedy):
             c = self.counts.setdefault(key, [0, 0])
             c[0] += int(accepted)
             c[1] += 1
+            if c[1] > self.horizon:
+                c[0], c[1] = c[0] / 2, c[1] / 2
+
+    def to_json(self) -> list:
+        return [[list(k), v] for k, v in self.counts.items()]
+
+    def load_json(self, data: list) -> None:
+        for key, (a, n) in data:
+            self.counts[tuple(key)] = [a, n]
 
 
 def evidence(tree: TokenTree) -> list[NodeEvidence | None]:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from .backend import Backend, ContextFullError, TextStream
+from .calibrate import load_calibration, model_key
 from .chat import render_chat
 from .config import MODES, SamplingParams, SRSDConfig
 from .controller import AcceptanceModel, CostModel, choose, evidence, load_json
@@ -153,17 +154,41 @@ class Engine:
     @classmethod
     def load(cls, model: str | Path | None = None, **config: Any) -> Engine:
         cfg = config.pop("config", None) or SRSDConfig()
-        cfg = cfg.with_(**config) if config else cfg
         path = resolve_model(model)
+        calibrated = load_calibration(path) or {}
+        cfg = cfg.with_(**{k: v for k, v in calibrated.items() if k not in config}, **config)
         backend = Backend(path, cfg, capture_layer=cfg.layer)
         try:
             cost = load_cost_model(backend, cfg) if cfg.adaptive else None
+            engine = cls(backend, cfg, cost)
         except BaseException:
             backend.close()
             raise
-        return cls(backend, cfg, cost)
+        engine._acceptance_file = cache_dir() / "acceptance" / f"{model_key(path)}.json"
+        saved = load_json(engine._acceptance_file)
+        if isinstance(saved, list):
+            engine.acceptance.load_json(saved)
+        return engine
+
+    def reconfigure(self, **changes: Any) -> None:
+        """Change retrieval / tree settings between generations (validated; the layer and
+        context settings need a new Engine)."""
+        fixed = {"layer", "n_ctx", "n_batch", "n_ubatch", "n_seq_max", "n_threads",
+                 "n_gpu_layers", "index_backend"} & set(changes)
+        if fixed:
+            raise ValueError(f"{sorted(fixed)} cannot change on a loaded engine; load a new one")
+        self.config = self.config.with_(**changes)
+        self._drafters = {m: make_drafter(m, self.config) for m in MODES}
 
     def close(self) -> None:
+        """Free the model; the acceptance calibration is kept for the next load."""
+        path = getattr(self, "_acceptance_file", None)
+        if path is not None and self.acceptance.counts:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(self.acceptance.to_json()), encoding="utf-8")
+            except OSError:
+                pass
         self.backend.close()
 
     def __enter__(self) -> Engine:

@@ -1,0 +1,253 @@
+"""Gradio chat and editor UI over the server's Service (same queue, same engine).
+
+Tabs: Chat (streaming, history, system prompt, drafted tokens highlighted), Editor (an
+instruction applied to code or text, streamed, then a diff; "compare" runs plain decoding and
+SRSD on the same input side by side) and Stats (accepted per depth, tokens per step).
+"""
+
+from __future__ import annotations
+
+import difflib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from .config import MODES
+from .server import APIError, GenRequest, Service, _never
+
+DRAFT_LABEL = "from an accepted draft"
+CSS = ".srsd-stats {font-family: monospace}"
+
+
+def _request(kind: str, *, prompt: str | None = None, messages: list | None = None,
+             max_tokens: int, temperature: float, mode: str, stop: list[str] | None = None
+             ) -> GenRequest:
+    return GenRequest(kind=kind, prompt=prompt, messages=messages, max_tokens=int(max_tokens),
+                      temperature=float(temperature), top_p=1.0, top_k=0, min_p=0.0,
+                      seed=None if temperature == 0 else int(time.time()) % 100000,
+                      stop=stop or [], stream=True, include_usage=False, mode=mode, model=None)
+
+
+def stats_line(stats) -> str:
+    if stats is None:
+        return ""
+    return (f"{stats.tokens} tokens · {stats.tokens_per_second:.1f} tokens/s · "
+            f"{stats.mean_accepted_length:.2f} tokens/step · acceptance "
+            f"{stats.acceptance_rate:.0%} · mode {stats.mode}")
+
+
+def edit_prompt(original: str, instruction: str, language: str) -> str:
+    fence = language if language != "text" else ""
+    what = "code" if language != "text" else "text"
+    return (f"Below is some {what}.\n```{fence}\n{original.rstrip()}\n```\n"
+            f"The same {what} after this edit: {instruction.strip()}.\n```{fence}\n")
+
+
+def unified_diff(original: str, edited: str) -> str:
+    return "".join(difflib.unified_diff(original.splitlines(keepends=True),
+                                        edited.splitlines(keepends=True),
+                                        "original", "edited")) or "(no changes)"
+
+
+class UIState:
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    def status(self) -> str:
+        s = self.service
+        if s.load_error:
+            return f"**Model failed to load:** {s.load_error}"
+        if s.engine is None:
+            return "Loading model…"
+        be = s.engine.backend
+        return (f"**Model:** {s.model_id} · {be.n_ctx} tokens of context · "
+                f"GPU layers {s.engine.config.n_gpu_layers} · index {s.engine.index.backend}")
+
+    def piece(self, tok: int) -> str:
+        return self.service.engine.backend.piece(tok).decode("utf-8", "replace")
+
+    async def run(self, req: GenRequest) -> AsyncIterator[tuple[str, list, Any]]:
+        """(text so far, highlighted pieces, final stats or None) as the generation goes."""
+        import gradio as gr  # noqa: PLC0415
+
+        if self.service.engine is None:
+            raise gr.Error(self.status().replace("**", ""))
+        text, pieces = "", []
+        try:
+            async for ev in self.service.events(req, _never):
+                text += ev.text
+                for tok, drafted in zip(ev.token_ids, ev.drafted):
+                    pieces.append((self.piece(tok), DRAFT_LABEL if drafted else None))
+                yield text, pieces, ev.stats
+        except APIError as exc:
+            raise gr.Error(exc.message) from exc
+
+
+def _plots(stats):
+    import pandas as pd  # noqa: PLC0415
+
+    if stats is None:
+        return None, None
+    depth = pd.DataFrame({"depth": [str(i) for i in range(1, len(stats.accepted_per_depth) + 1)],
+                          "accepted": stats.accepted_per_depth})
+    steps = pd.DataFrame({"step": list(range(1, len(stats.tokens_per_step) + 1)),
+                          "tokens": stats.tokens_per_step})
+    return depth, steps
+
+
+def build_ui(service: Service):
+    import gradio as gr  # noqa: PLC0415
+
+    st = UIState(service)
+
+    with gr.Blocks(title="srsd-local") as demo:
+        gr.Markdown("# srsd-local\nFaster local generation with semantic retrieval "
+                    "speculative decoding: same tokens, fewer forward passes.")
+        status = gr.Markdown(st.status(), elem_id="status")
+        timer = gr.Timer(1.0)
+        timer.tick(st.status, None, status)
+
+        with gr.Tab("Chat", id="chat"):
+            chatbot = gr.Chatbot(label="Chat", height=380, elem_id="chatbot")
+            with gr.Row():
+                msg = gr.Textbox(placeholder="Message", show_label=False, scale=5,
+                                 elem_id="chat-input")
+                send = gr.Button("Send", variant="primary", scale=1)
+                stop_btn = gr.Button("Stop", scale=1)
+            with gr.Accordion("Settings", open=False):
+                system = gr.Textbox(label="System prompt", value="")
+                with gr.Row():
+                    mode = gr.Dropdown(list(MODES), value="srsd", label="Mode")
+                    temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05,
+                                            label="Temperature")
+                    max_tokens = gr.Slider(1, 2048, value=256, step=1, label="Max tokens")
+            chat_stats = gr.Markdown("", elem_classes="srsd-stats", elem_id="chat-stats")
+            chat_tokens = gr.HighlightedText(label="Last reply: tokens from accepted drafts",
+                                             color_map={DRAFT_LABEL: "green"},
+                                             combine_adjacent=True, show_legend=True)
+
+        with gr.Tab("Editor", id="editor"):
+            with gr.Row():
+                original = gr.Code(label="Original", language="python", lines=16,
+                                   elem_id="original")
+                edited = gr.Code(label="Edited", language="python", lines=16,
+                                 interactive=False, elem_id="edited")
+            with gr.Row():
+                instruction = gr.Textbox(label="Instruction", scale=4,
+                                         placeholder="rename x to y · fix the typos · add "
+                                                     "type hints")
+                language = gr.Dropdown(["python", "javascript", "markdown", "text"],
+                                       value="python", label="Language", scale=1)
+                edit_mode = gr.Dropdown(list(MODES), value="srsd", label="Mode", scale=1)
+            with gr.Row():
+                edit_btn = gr.Button("Edit", variant="primary")
+                compare_btn = gr.Button("Compare plain vs SRSD")
+                edit_stop = gr.Button("Stop")
+            edit_stats = gr.Markdown("", elem_classes="srsd-stats", elem_id="edit-stats")
+            diff = gr.Code(label="Diff", language="markdown", interactive=False, lines=10)
+            compare_out = gr.Markdown("", elem_id="compare")
+
+        with gr.Tab("Stats", id="stats"):
+            gr.Markdown("Of the last generation: how deep drafts were accepted, and how many "
+                        "tokens each forward pass produced.")
+            depth_plot = gr.BarPlot(x="depth", y="accepted", title="Accepted per depth",
+                                    height=260)
+            steps_plot = gr.LinePlot(x="step", y="tokens", title="Tokens per step", height=260)
+
+        # -- chat ------------------------------------------------------------------------
+        async def chat(message, history, system_prompt, mode_v, temp, max_tok):
+            if not (message or "").strip():
+                raise gr.Error("Type a message first.")
+            msgs = ([{"role": "system", "content": system_prompt}] if system_prompt.strip()
+                    else [])
+            for turn in history or []:
+                content = turn["content"]
+                if isinstance(content, list):  # gradio 6 may give content parts
+                    content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                msgs.append({"role": turn["role"], "content": content})
+            msgs.append({"role": "user", "content": message})
+            req = _request("chat", messages=msgs, max_tokens=max_tok, temperature=temp,
+                           mode=mode_v)
+            base = list(history or []) + [{"role": "user", "content": message}]
+            stats = None
+            async for text, pieces, stats in st.run(req):
+                yield (base + [{"role": "assistant", "content": text}], "", stats_line(stats),
+                       pieces, *_plots(stats))
+            if stats is None:
+                return
+
+        chat_inputs = [msg, chatbot, system, mode, temperature, max_tokens]
+        chat_outputs = [chatbot, msg, chat_stats, chat_tokens, depth_plot, steps_plot]
+        ev1 = send.click(chat, chat_inputs, chat_outputs, api_name="chat")
+        ev2 = msg.submit(chat, chat_inputs, chat_outputs, api_name=False)
+        stop_btn.click(None, None, None, cancels=[ev1, ev2])
+
+        # -- editor ----------------------------------------------------------------------
+        def _edit_req(orig, instr, lang, mode_v):
+            if not (orig or "").strip() or not (instr or "").strip():
+                raise gr.Error("Give both the original and an instruction.")
+            n = len(st.service.engine.tokenize(orig)) if st.service.engine else 256
+            return _request("completion", prompt=edit_prompt(orig, instr, lang),
+                            max_tokens=min(4 * n + 64, 4096), temperature=0.0, mode=mode_v,
+                            stop=["```"])
+
+        async def edit(orig, instr, lang, mode_v):
+            req = _edit_req(orig, instr, lang, mode_v)
+            text, stats = "", None
+            async for text, _pieces, stats in st.run(req):
+                yield text, stats_line(stats), "", *_plots(stats)
+            yield text, stats_line(stats), unified_diff(orig, text), *_plots(stats)
+
+        async def compare(orig, instr, lang):
+            rows, texts = [], {}
+            for m in ("ar", "srsd"):
+                last = None
+                async for text, _p, stats in st.run(_edit_req(orig, instr, lang, m)):
+                    texts[m], last = text, stats
+                rows.append((m, last))
+            (_, a), (_, s) = rows
+            speedup = s.tokens_per_second / a.tokens_per_second if a.tokens_per_second else 0
+            same = "yes" if texts["ar"] == texts["srsd"] else "no (near-tied logits)"
+            md = ("| mode | tokens | tokens/s | tokens/step |\n|---|---|---|---|\n" +
+                  "".join(f"| {m} | {x.tokens} | {x.tokens_per_second:.1f} | "
+                          f"{x.mean_accepted_length:.2f} |\n" for m, x in rows) +
+                  f"\n**Speed-up: {speedup:.2f}x** · same output: {same}")
+            yield texts["srsd"], stats_line(s), unified_diff(orig, texts["srsd"]), md
+
+        e1 = edit_btn.click(edit, [original, instruction, language, edit_mode],
+                            [edited, edit_stats, diff, depth_plot, steps_plot], api_name="edit")
+        e2 = compare_btn.click(compare, [original, instruction, language],
+                               [edited, edit_stats, diff, compare_out], api_name="compare")
+        edit_stop.click(None, None, None, cancels=[e1, e2])
+
+        def set_language(lang):
+            lang = None if lang == "text" else lang
+            return gr.update(language=lang), gr.update(language=lang)
+
+        language.change(set_language, language, [original, edited], api_name=False)
+    return demo
+
+
+def mount_ui(app, service: Service, path: str = "/ui"):
+    import gradio as gr  # noqa: PLC0415
+
+    return gr.mount_gradio_app(app, build_ui(service), path=path, css=CSS)
+
+
+def run_ui(args) -> int:
+    import uvicorn  # noqa: PLC0415
+
+    from .engine import Engine  # noqa: PLC0415
+    from .server import create_app  # noqa: PLC0415
+
+    cfg: dict[str, Any] = {"n_gpu_layers": args.n_gpu_layers}
+    if args.n_ctx is not None:
+        cfg["n_ctx"] = args.n_ctx
+    if args.threads is not None:
+        cfg["n_threads"] = args.threads
+    service = Service(lambda: Engine.load(args.model, **cfg))
+    app = create_app(service, ui=False)
+    mount_ui(app, service, path="/")
+    print(f"srsd-local UI on http://{args.host}:{args.port}/", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

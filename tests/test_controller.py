@@ -1,0 +1,174 @@
+"""Controller logic on fakes: cost model, acceptance calibration, sub-tree choice, caches."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from fakes import FakeBackend
+
+from srsd_local.calibrate import calibrate
+from srsd_local.config import SRSDConfig
+from srsd_local.controller import AcceptanceModel, CostModel, NodeEvidence, choose, evidence
+from srsd_local.engine import Engine, load_cost_model
+from srsd_local.tree import TokenTree
+
+
+def _chain_tree(n: int, weight: float = 1.0) -> TokenTree:
+    t = TokenTree(0)
+    t.insert(list(range(1, n + 1)), weight)
+    return t
+
+
+def _bushy_tree() -> TokenTree:
+    t = TokenTree(0)
+    for b in range(6):
+        t.insert([10 + b] + [100 + 10 * b + i for i in range(8)], 0.5)
+    return t
+
+
+def test_expensive_nodes_and_weak_evidence_give_a_plain_step():
+    tree = _bushy_tree()
+    cost = CostModel([1, 2, 64], [0.010, 0.021, 0.19]).table(40)
+    q = [1.0] + [0.15] * (len(tree) - 1)
+    plan = choose(tree, q, cost, max_branches=8)
+    assert plan.tree.n_draft == 0 and plan.expected_accepted == 0
+
+
+def test_cheap_nodes_give_a_large_tree():
+    tree = _bushy_tree()
+    cost = CostModel([1, 64], [0.001, 0.0012]).table(60)
+    q = [1.0] + [0.5] * (len(tree) - 1)
+    plan = choose(tree, q, cost, max_branches=8)
+    assert plan.tree.n_draft >= 40
+    assert len(plan.tree.layout().leaf_branch) == 6
+
+
+def test_strong_chain_on_a_cpu_like_cost_is_drafted_deep():
+    tree = _chain_tree(16)
+    cost = CostModel([1, 2, 8, 16, 17], [0.010, 0.021, 0.038, 0.051, 0.053]).table(17)
+    plan = choose(tree, [1.0] + [0.95] * 16, cost, max_branches=4)
+    assert plan.tree.n_draft >= 12
+    weak = choose(tree, [1.0] + [0.3] * 16, cost, max_branches=4)
+    assert weak.tree.n_draft == 0
+
+
+def test_choice_is_deterministic_and_respects_branch_limit():
+    tree = _bushy_tree()
+    cost = CostModel([1, 64], [0.001, 0.0012]).table(60)
+    q = [1.0] + list(np.linspace(0.9, 0.3, len(tree) - 1))
+    a = choose(tree, q, cost, max_branches=2)
+    b = choose(tree, q, cost, max_branches=2)
+    assert a.tree.tokens == b.tree.tokens and a.tree.parents == b.tree.parents
+    assert a.probs == b.probs
+    assert len(a.tree.layout().leaf_branch) <= 2
+    # probabilities never grow down a path
+    for i in range(1, len(a.tree)):
+        assert a.probs[i] <= a.probs[a.tree.parents[i]] + 1e-12
+
+
+def test_acceptance_model_learns_and_backs_off():
+    m = AcceptanceModel()
+    strong = NodeEvidence(depth=1, share=1.0, strength=0.95, n_drafts=4)
+    weak = NodeEvidence(depth=1, share=0.2, strength=0.3, n_drafts=4)
+    assert m.q(strong, "srsd", True) == pytest.approx(m.prior)
+    for _ in range(200):
+        m.update(strong, "srsd", True, True)
+        m.update(weak, "srsd", True, False)
+    assert m.q(strong, "srsd", True) > 0.95
+    assert m.q(weak, "srsd", True) < 0.1
+    # unseen fine key at the same depth backs off to the depth's (mixed) rate
+    mid = NodeEvidence(depth=1, share=0.5, strength=0.7, n_drafts=1)
+    assert 0.3 < m.q(mid, "srsd", True) < 0.7
+    # exploration bonus shrinks with evidence
+    assert m.q_explore(mid, "srsd", True) - m.q(mid, "srsd", True) > \
+        m.q_explore(strong, "srsd", True) - m.q(strong, "srsd", True)
+    copy = AcceptanceModel()
+    copy.load_json(m.to_json())
+    assert copy.q(strong, "srsd", True) == m.q(strong, "srsd", True)
+
+
+def test_evidence_features():
+    t = TokenTree(0)
+    t.insert([1, 2], 0.9)
+    t.insert([1, 3], 0.5)
+    ev = evidence(t)
+    n1 = t.child(0, 1)
+    assert ev[n1].share == 1.0 and ev[n1].strength == pytest.approx(0.7)
+    assert ev[t.child(n1, 2)].share == 0.5 and ev[t.child(n1, 2)].n_drafts == 2
+
+
+def test_cost_model_refines_online():
+    c = CostModel([1, 2, 16], [0.010, 0.020, 0.050])
+    for _ in range(100):
+        c.observe(16, 0.080)
+    assert c.t(16) == pytest.approx(0.080, rel=0.02)
+    c.observe(9, 0.2)
+    assert c.t(9) > 0.035
+    assert c.t(40) > c.t(16)  # extrapolated
+
+
+class _ProfiledFake(FakeBackend):
+    def __init__(self, path):
+        super().__init__()
+        self.model_path = str(path)
+        self.n_batch = 64
+        self.profiles = 0
+
+    def profile(self, sizes, reps=3):
+        self.profiles += 1
+        return [0.01 + 0.002 * n for n in sizes]
+
+
+def test_cost_profile_is_cached_and_invalidated_when_the_model_file_changes(tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.setenv("SRSD_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + b"\0" * 64)
+    be = _ProfiledFake(model)
+    cfg = SRSDConfig(index_backend="numpy")
+    a = load_cost_model(be, cfg)
+    b = load_cost_model(be, cfg)
+    assert be.profiles == 1 and a.to_dict() == b.to_dict()
+    load_cost_model(be, cfg.with_(n_threads=cfg.threads + 1))  # other thread count
+    assert be.profiles == 2
+    model.write_bytes(b"GGUF" + b"\1" * 80)  # the model file changed
+    os.utime(model, ns=(1, 1))
+    load_cost_model(be, cfg)
+    assert be.profiles == 3
+
+
+def test_engine_reports_controller_decisions():
+    eng = Engine(FakeBackend(), SRSDConfig(index_backend="numpy"),
+                 CostModel([1, 2, 33], [0.01, 0.012, 0.02]))
+    res = eng.generate("the quick brown fox jumps over the lazy dog and the quick brown cat",
+                       max_tokens=60, mode="srsd")
+    s = res.stats
+    assert len(s.tree_sizes) == s.steps - 1 and max(s.tree_sizes) > 1
+    assert len(s.predicted_per_depth) >= 1
+    assert all(0 <= p for p in s.predicted_per_depth)
+
+
+def test_calibration_is_deterministic(tmp_path, monkeypatch):
+    monkeypatch.setenv("SRSD_CACHE_DIR", str(tmp_path))
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + b"\0" * 64)
+    prompts = [SimpleNamespace(prompt="the quick brown fox jumps over the lazy dog the quick",
+                               max_tokens=40),
+               SimpleNamespace(prompt="a b c a b c a b", max_tokens=40)]
+
+    class _Load:
+        def __call__(self, **kw):
+            be = FakeBackend()
+            be.n_layer = 18
+            return Engine(be, SRSDConfig(index_backend="numpy").with_(**kw))
+
+    r1 = calibrate(_Load(), str(model), prompts, layers=[2, 4, 8])
+    r2 = calibrate(_Load(), str(model), prompts, layers=[2, 4, 8])
+    assert (r1["layer"], r1["top_k"], r1["draft_depth"]) == \
+        (r2["layer"], r2["top_k"], r2["draft_depth"])
+    assert r1["layer"] in (2, 4, 8) and set(r1["scores"]["layer"]) == {"2", "4", "8"}
+    from srsd_local.calibrate import load_calibration
+    assert load_calibration(model) == {k: r1[k] for k in ("layer", "top_k", "draft_depth")}

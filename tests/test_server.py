@@ -1,0 +1,273 @@
+"""The OpenAI-compatible server, run for real on loopback with the default model and driven
+with the official `openai` client (and raw HTTP for malformed requests)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.model
+
+KEY = "test-key"
+PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "srsd_local.cli", "serve", "--port", str(port), "--api-key", KEY,
+         "--max-queue", "8", "--alias", "gemma-test", "--no-ui", "--n-ctx", "2048"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
+    base = f"http://127.0.0.1:{port}"
+    saw_503 = False
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        try:
+            r = httpx.get(base + "/health", timeout=2)
+            if r.status_code == 503:
+                saw_503 = True
+            if r.status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError("server exited: " + proc.stdout.read())
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        raise RuntimeError("server did not become healthy")
+    yield {"base": base, "saw_503": saw_503, "proc": proc}
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server["base"] + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+
+def _metrics(server) -> dict[str, float]:
+    text = httpx.get(server["base"] + "/metrics").text
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^([a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def test_health_and_models(server, client):
+    assert httpx.get(server["base"] + "/health").json()["status"] == "ok"
+    ids = [m.id for m in client.models.list().data]
+    assert ids == ["gemma-test"]
+
+
+def test_completion_matches_engine_and_usage_matches_tokenizer(client, engine):
+    res = client.completions.create(model="gemma-test", prompt=PROMPT, max_tokens=40,
+                                    temperature=0)
+    ref = engine.generate(PROMPT, max_tokens=40, mode="srsd")
+    assert res.choices[0].text == ref.text
+    assert res.choices[0].finish_reason == ref.finish_reason
+    assert res.usage.prompt_tokens == len(engine.tokenize(PROMPT))
+    assert res.usage.completion_tokens == len(ref.token_ids)
+    assert res.usage.total_tokens == res.usage.prompt_tokens + res.usage.completion_tokens
+    t = res.model_extra["timings"]
+    assert t["predicted_n"] == res.usage.completion_tokens and t["predicted_per_second"] > 0
+    assert t["draft_n"] >= t["draft_n_accepted"] >= 0 and t["mean_accepted_length"] >= 1
+
+
+def test_streamed_completion_equals_non_streamed(client):
+    kw = dict(model="gemma-test", prompt=PROMPT, max_tokens=40, temperature=0)
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True,
+                                            stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == full.choices[0].finish_reason and all(f is None for f in finishes[:-1])
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_chat_streamed_and_not(client, engine):
+    msgs = [{"role": "system", "content": "You write Python."},
+            {"role": "user", "content": "Write a function that adds two numbers."}]
+    res = client.chat.completions.create(model="gemma-test", messages=msgs, max_tokens=30,
+                                         temperature=0, stop=["\n\n\n"])
+    ref = engine.chat(msgs, max_tokens=30, stop=["\n\n\n"], mode="srsd")
+    assert res.choices[0].message.role == "assistant"
+    assert res.choices[0].message.content == ref.text
+    assert res.usage.prompt_tokens == len(engine.tokenize(engine.apply_chat_template(msgs)))
+    stream = client.chat.completions.create(model="gemma-test", messages=msgs, max_tokens=30,
+                                            temperature=0, stop=["\n\n\n"], stream=True)
+    parts = list(stream)
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == ref.text
+    assert parts[-1].choices[0].finish_reason == ref.finish_reason
+
+
+def test_mode_extension_and_plain_mode_agree(client):
+    kw = dict(model="gemma-test", prompt=PROMPT, max_tokens=30, temperature=0)
+    a = client.completions.create(extra_body={"srsd": {"mode": "ar"}}, **kw)
+    assert a.model_extra["timings"]["mode"] == "ar"
+    assert a.model_extra["timings"]["draft_n"] == 0
+    b = client.completions.create(extra_body={"srsd": {"mode": "hybrid"}}, **kw)
+    assert b.model_extra["timings"]["mode"] == "hybrid"
+    assert b.usage.completion_tokens == a.usage.completion_tokens
+
+
+BAD = [
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": 5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop"),
+    ("/v1/completions", {"prompt": 42}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "srsd": {"mode": "warp"}}, 400, "srsd.mode"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-17"}, 404, "model"),
+    ("/v1/completions", {"prompt": "x " * 3000, "max_tokens": 100}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400,
+     "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD)
+def test_bad_requests_get_openai_errors_and_server_keeps_serving(server, path, body, status,
+                                                                 param):
+    h = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(server["base"] + path, json=body, headers=h, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    if "x " * 3000 in str(body.get("prompt", "")) or body.get("max_tokens") == 100000:
+        assert err["code"] == "context_length_exceeded"
+    ok = httpx.post(server["base"] + "/v1/completions", headers=h, timeout=60,
+                    json={"prompt": "Hello", "max_tokens": 3, "temperature": 0})
+    assert ok.status_code == 200
+
+
+def test_malformed_body_auth_and_size(server):
+    base = server["base"]
+    h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    r = httpx.post(base + "/v1/completions", content=b"{not json", headers=h)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(base + "/v1/completions", content=b"[1, 2]", headers=h)
+    assert r.status_code == 400
+    r = httpx.post(base + "/v1/completions", json={"prompt": "x"},
+                   headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.post(base + "/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 401
+    r = httpx.get(base + "/v1/models")
+    assert r.status_code == 401
+    big = b'{"prompt": "' + b"a" * (9 << 20) + b'"}'
+    r = httpx.post(base + "/v1/completions", content=big, headers=h, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert httpx.get(base + "/health").status_code == 200
+
+
+def test_dropped_stream_does_not_block_the_next_request(server, client):
+    h = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", server["base"] + "/v1/completions", headers=h, timeout=60,
+                      json={"prompt": "Once upon a time", "max_tokens": 1500, "stream": True,
+                            "temperature": 0.9, "seed": 1}) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(3)]
+        assert any(g.startswith("data: ") for g in got)
+    t0 = time.time()
+    res = client.completions.create(model="gemma-test", prompt="Hi", max_tokens=5,
+                                    temperature=0)
+    assert res.usage.completion_tokens == 5
+    # the dropped generation (1500 tokens, ~15 s) was cancelled, not run to the end
+    assert time.time() - t0 < 10
+
+
+def test_dropped_non_streaming_client_is_cancelled(server, client):
+    h = {"Authorization": f"Bearer {KEY}"}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server["base"] + "/v1/completions", headers=h, timeout=1.0,
+                   json={"prompt": "Once upon a time", "max_tokens": 1500,
+                         "temperature": 0.9, "seed": 2})
+    t0 = time.time()
+    res = client.completions.create(model="gemma-test", prompt="Hi", max_tokens=5,
+                                    temperature=0)
+    assert res.usage.completion_tokens == 5
+    assert time.time() - t0 < 10
+
+
+def test_concurrent_clients_get_sequential_results(client):
+    prompts = [f"def f{i}(x):\n    return x * {i}\n\ndef g{i}(y):\n" for i in range(8)]
+
+    def call(p):
+        return client.completions.create(model="gemma-test", prompt=p, max_tokens=24,
+                                         temperature=0).choices[0].text
+
+    sequential = [call(p) for p in prompts]
+    with cf.ThreadPoolExecutor(8) as ex:
+        parallel = list(ex.map(call, prompts))
+    assert parallel == sequential
+
+
+def test_queue_full_gives_429(server):
+    h = {"Authorization": f"Bearer {KEY}"}
+    body = {"prompt": "Once upon a time", "max_tokens": 60, "temperature": 0}
+
+    def call(_):
+        return httpx.post(server["base"] + "/v1/completions", json=body, headers=h,
+                          timeout=300).status_code
+
+    with cf.ThreadPoolExecutor(14) as ex:
+        codes = list(ex.map(call, range(14)))
+    assert 429 in codes and 200 in codes
+    assert set(codes) <= {200, 429}
+    r = httpx.post(server["base"] + "/v1/completions", json=body, headers=h, timeout=300)
+    assert r.status_code == 200
+
+
+def test_metrics_move_by_the_right_amounts(server, client):
+    before = _metrics(server)
+    res = client.completions.create(model="gemma-test", prompt=PROMPT, max_tokens=20,
+                                    temperature=0)
+    bad = httpx.post(server["base"] + "/v1/completions", json={"prompt": 1},
+                     headers={"Authorization": f"Bearer {KEY}"})
+    assert bad.status_code == 400
+    after = _metrics(server)
+
+    def delta(name):
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta("srsd_generated_tokens_total") == res.usage.completion_tokens
+    assert delta("srsd_prompt_tokens_total") == res.usage.prompt_tokens
+    t = res.model_extra["timings"]
+    assert delta("srsd_draft_tokens_total") == t["draft_n"]
+    assert delta("srsd_accepted_tokens_total") == t["draft_n_accepted"]
+    assert delta('srsd_requests_total{endpoint="/v1/completions",status="200"}') == 1
+    assert delta('srsd_requests_total{endpoint="/v1/completions",status="400"}') == 1
+    per_pos = sum(v for k, v in after.items() if k.startswith("srsd_accepted_per_position_total"))
+    per_pos0 = sum(v for k, v in before.items()
+                   if k.startswith("srsd_accepted_per_position_total"))
+    assert per_pos - per_pos0 == t["draft_n_accepted"]
+    assert "srsd_queue_length" in after and after["srsd_tokens_per_second"] > 0

@@ -1,0 +1,124 @@
+"""The Gradio app on the real default model, driven with gradio_client, and its screenshots
+in headless Chromium."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from srsd_local.ui import edit_prompt, unified_diff
+
+pytestmark = pytest.mark.model
+ROOT = Path(__file__).resolve().parent.parent
+CODE = 'def area(width, height):\n    """Area of a rectangle."""\n    result = width * height\n' \
+       '    return result\n'
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ui_url():
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "srsd_local.cli", "ui", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}/"
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("ui exited: " + proc.stdout.read())
+        try:
+            if httpx.get(base + "health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    yield base
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def gclient(ui_url):
+    from gradio_client import Client
+
+    return Client(ui_url, verbose=False)
+
+
+def test_page_serves(ui_url):
+    r = httpx.get(ui_url, timeout=30)
+    assert r.status_code == 200 and "srsd-local" in r.text
+
+
+def test_chat_streams_reply_and_stats(gclient, engine):
+    out = gclient.predict("Write a Python function that adds two numbers.", [], "", "srsd",
+                          0.0, 40, api_name="/chat")
+    history, cleared, stats, tokens = out[:4]
+    assert cleared == ""
+    assert history[0]["role"] == "user" and history[-1]["role"] == "assistant"
+    reply = history[-1]["content"]
+    reply = reply if isinstance(reply, str) else "".join(p.get("text", "") for p in reply)
+    msgs = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+    ref = engine.chat(msgs, max_tokens=40, mode="srsd")
+    assert reply == ref.text
+    assert "tokens/s" in stats and "mode srsd" in stats
+    pieces = tokens if isinstance(tokens, list) else tokens.get("value", tokens)
+    assert "".join(p["token"] if isinstance(p, dict) else p[0] for p in pieces) == ref.text
+
+
+def test_edit_streams_result_and_diff(gclient, engine):
+    instr = "rename result to value"
+    edited, stats, diff = gclient.predict(CODE, instr, "python", "srsd", api_name="/edit")[:3]
+    ref = engine.generate(edit_prompt(CODE, instr, "python"), max_tokens=4 * len(
+        engine.tokenize(CODE)) + 64, stop=["```"], mode="srsd")
+    assert edited == ref.text and edited.strip()
+    assert diff == unified_diff(CODE, edited)
+    assert "tokens/s" in stats and "tokens/step" in stats
+
+
+def test_compare_shows_both_speeds(gclient):
+    edited, stats, diff, md = gclient.predict(CODE, "rename width to w", "python",
+                                              api_name="/compare")
+    assert "| ar |" in md and "| srsd |" in md and "Speed-up" in md
+    assert edited.strip() and "tokens/s" in stats
+
+
+def test_chat_error_is_a_message_not_a_dead_page(gclient, ui_url):
+    from gradio_client.exceptions import AppError
+
+    with pytest.raises(AppError, match="Type a message"):
+        gclient.predict("   ", [], "", "srsd", 0.0, 10, api_name="/chat")
+    out = gclient.predict("Hi", [], "", "ar", 0.0, 5, api_name="/chat")
+    assert out[0][-1]["role"] == "assistant"
+    assert httpx.get(ui_url, timeout=30).status_code == 200
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed (.ci/run "
+                    "installs it)")
+def test_screenshots_are_real(ui_url, tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "ui_screenshot.py"),
+                           "--url", ui_url, "--out", str(tmp_path)], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for tab in ("chat", "editor", "stats"):
+        img = Image.open(tmp_path / f"ui-{tab}.png").convert("RGB")
+        assert img.size == (1280, 900)
+        a = np.asarray(img).astype(np.int16)
+        assert a.std() > 10, f"{tab} screenshot is blank"
+        assert len(np.unique(a.reshape(-1, 3), axis=0)) > 50
