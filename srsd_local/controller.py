@@ -76,12 +76,13 @@ class NodeEvidence:
     share: float  # drafts through this node / drafts through the root
     strength: float  # mean weight of the drafts through this node
     n_drafts: int  # drafts through the root
+    agree: int = 0  # longest context match (tokens up to the root) among those drafts
 
     def keys(self, source: str, greedy: bool) -> tuple[tuple, tuple]:
         coarse = (source, greedy, min(self.depth, 12))
         fine = coarse + (_bucket(self.share, (0.34, 0.67, 0.999)),
                          _bucket(self.strength, (0.4, 0.6, 0.8, 0.9)),
-                         _bucket(self.n_drafts, (2, 4)))
+                         _bucket(self.agree, (2, 3, 5)))
         return coarse, fine
 
 
@@ -94,9 +95,9 @@ class AcceptanceModel:
     verified still get tried and calibrated instead of being ruled out by the prior.
     """
 
-    prior: float = 0.6
+    prior: float = 0.4  # measured: weak srsd hits are accepted ~20%, strong ones ~80-100%
     strength: float = 4.0  # pseudo-counts of the prior at each back-off level
-    bonus: float = 0.35
+    bonus: float = 0.2
     counts: dict = field(default_factory=dict)  # key -> [accepted, tried]
 
     def _post(self, ev: NodeEvidence, source: str, greedy: bool) -> tuple[float, int]:
@@ -126,8 +127,11 @@ class AcceptanceModel:
     def to_json(self) -> list:
         return [[list(k), v] for k, v in self.counts.items()]
 
-    def load_json(self, data: list) -> None:
+    def load_json(self, data: list, cap: float | None = None) -> None:
+        """Add stored counts; with `cap`, each key counts as at most that many outcomes."""
         for key, (a, n) in data:
+            if cap is not None and n > cap:
+                a, n = a * cap / n, cap
             self.counts[tuple(key)] = [a, n]
 
 
@@ -137,7 +141,7 @@ def evidence(tree: TokenTree) -> list[NodeEvidence | None]:
     for i in range(1, len(tree)):
         c = max(tree.counts[i], 1)
         out.append(NodeEvidence(tree.depths[i], tree.counts[i] / root_count,
-                                tree.weights[i] / c, root_count))
+                                tree.weights[i] / c, root_count, tree.agree[i]))
     return out
 
 
@@ -191,6 +195,7 @@ def choose(tree: TokenTree, q: Sequence[float], cost: np.ndarray, max_branches: 
         leaves += opens_leaf
         new = out.add_node(new_of[parent], tree.tokens[node], tree.weights[node])
         out.counts[new] = tree.counts[node]
+        out.agree[new] = tree.agree[node]
         new_of[node] = new
         probs.append(float(p_rep[node]))
     ev_all = evidence(tree)

@@ -18,7 +18,9 @@ from .config import SRSDConfig
 from .index import VectorIndex
 from .tree import TokenTree
 
-Proposal = tuple[np.ndarray, float]  # (draft tokens after the root, weight)
+# (draft tokens after the root, weight, context tokens matched up to and including the root)
+Proposal = tuple[np.ndarray, float, int]
+_MAX_AGREE = 8
 
 
 @dataclass
@@ -43,9 +45,9 @@ class Drafter:
     def draft(self, inp: DraftInput, max_nodes: int | None = None) -> TokenTree:
         cfg = self.config
         tree = TokenTree(inp.root)
-        for path, weight in self.propose(inp):
+        for path, weight, agree in self.propose(inp):
             if len(path):
-                tree.insert(path[: cfg.draft_depth], weight)
+                tree.insert(path[: cfg.draft_depth], weight, agree)
         budget = cfg.max_nodes if max_nodes is None else max_nodes
         if tree.n_draft <= budget and max(tree.depths) <= cfg.draft_depth:
             leaves = sum(1 for i in range(len(tree)) if not tree.children(i))
@@ -68,7 +70,11 @@ class SemanticDrafter(Drafter):
         for j, score in zip(hits.positions.tolist(), hits.scores.tolist()):
             if score < cfg.min_similarity or j + 2 >= n or ctx[j + 1] != inp.root:
                 continue
-            out.append((ctx[j + 2: j + 2 + cfg.draft_depth], float(score)))
+            agree = 1  # the root itself; then the tokens before it
+            while agree < _MAX_AGREE and j - agree + 1 >= 0 and \
+                    ctx[j - agree + 1] == ctx[n - agree]:
+                agree += 1
+            out.append((ctx[j + 2: j + 2 + cfg.draft_depth], float(score), agree))
         return out
 
 
@@ -102,7 +108,7 @@ class NgramDrafter(Drafter):
         for i, m in zip(cand[order].tolist(), length[order].tolist()):
             cont = seq[i + 1: i + 1 + cfg.draft_depth]
             if len(cont):
-                out.append((cont, m / cfg.ngram_max))
+                out.append((cont, m / cfg.ngram_max, m))
         return out
 
 

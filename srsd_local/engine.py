@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from .backend import Backend, ContextFullError, TextStream
-from .calibrate import load_calibration, model_key
+from .calibrate import CALIBRATED_FIELDS, load_calibration_file, model_key
 from .chat import render_chat
 from .config import MODES, SamplingParams, SRSDConfig
 from .controller import AcceptanceModel, CostModel, choose, evidence, load_json
@@ -92,6 +92,9 @@ class GenerationResult:
     stats: GenerationStats
 
 
+_SEED_TRIALS = 40  # calibration seeds count at most this many outcomes per kind of node
+
+
 class _StopScanner:
     """Holds back text that may be the start of a stop string; finds the cut point."""
 
@@ -155,7 +158,8 @@ class Engine:
     def load(cls, model: str | Path | None = None, **config: Any) -> Engine:
         cfg = config.pop("config", None) or SRSDConfig()
         path = resolve_model(model)
-        calibrated = load_calibration(path) or {}
+        calibration = load_calibration_file(path) or {}
+        calibrated = {k: calibration[k] for k in CALIBRATED_FIELDS if k in calibration}
         cfg = cfg.with_(**{k: v for k, v in calibrated.items() if k not in config}, **config)
         backend = Backend(path, cfg, capture_layer=cfg.layer)
         try:
@@ -166,8 +170,10 @@ class Engine:
             raise
         engine._acceptance_file = cache_dir() / "acceptance" / f"{model_key(path)}.json"
         saved = load_json(engine._acceptance_file)
-        if isinstance(saved, list):
+        if isinstance(saved, list):  # what earlier runs learned (seed included)
             engine.acceptance.load_json(saved)
+        elif calibration.get("acceptance"):
+            engine.acceptance.load_json(calibration["acceptance"], cap=_SEED_TRIALS)
         return engine
 
     def reconfigure(self, **changes: Any) -> None:
@@ -349,7 +355,8 @@ class Engine:
                                range(1, len(path)))
                 if plan is not None:
                     _add_per_depth(stats.predicted_per_depth, plan.probs[1:], tree.depths[1:])
-                    self._learn(plan, path, mode, params.greedy)
+                self._learn(tree, plan.evidence if plan else evidence(tree), path, mode,
+                            params.greedy)
             tc = time.perf_counter()
             stats.time_verify += tc - tb
             stats.steps += 1
@@ -382,12 +389,12 @@ class Engine:
             cost = self.cost.table(n_max)
         return choose(tree, q, cost, self.config.max_branches, q_mean)
 
-    def _learn(self, plan, path: list[int], mode: str, greedy: bool) -> None:
+    def _learn(self, tree, ev, path: list[int], mode: str, greedy: bool) -> None:
+        """Every verified node whose parent was accepted is one outcome for calibration."""
         on_path = set(path)
-        tree = plan.tree
         for node in range(1, len(tree)):
             if tree.parents[node] in on_path:
-                self.acceptance.update(plan.evidence[node], mode, greedy, node in on_path)
+                self.acceptance.update(ev[node], mode, greedy, node in on_path)
 
     def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:
         return collect(self.stream(prompt, **kwargs))

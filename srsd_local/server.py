@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fastapi import Request
+
 from .config import MODES
 
 MAX_BODY_BYTES = 8 << 20
@@ -351,7 +353,7 @@ async def _never() -> bool:
 
 
 def create_app(service: Service, ui: bool = False):
-    from fastapi import FastAPI, Request  # noqa: PLC0415
+    from fastapi import FastAPI  # noqa: PLC0415
     from fastapi.responses import JSONResponse, Response  # noqa: PLC0415
     from sse_starlette.sse import EventSourceResponse  # noqa: PLC0415
 

@@ -35,6 +35,7 @@ class TokenTree:
         self.depths: list[int] = [0]
         self.weights: list[float] = [0.0]
         self.counts: list[int] = [0]  # drafts through each node
+        self.agree: list[int] = [0]  # longest context match among the drafts through a node
         self._children: list[dict[int, int]] = [{}]
 
     def __len__(self) -> int:
@@ -58,12 +59,14 @@ class TokenTree:
         self.depths.append(self.depths[parent] + 1)
         self.weights.append(weight)
         self.counts.append(0)
+        self.agree.append(0)
         self._children.append({})
         self._children[parent][int(token)] = idx
         return idx
 
-    def insert(self, path: Sequence[int], weight: float) -> None:
-        """Add a draft that follows the root; shared prefixes are stored once."""
+    def insert(self, path: Sequence[int], weight: float, agree: int = 0) -> None:
+        """Add a draft that follows the root; shared prefixes are stored once. `agree` is
+        how many context tokens up to the root matched where the draft was found."""
         node = 0
         self.weights[0] += weight
         self.counts[0] += 1
@@ -73,6 +76,7 @@ class TokenTree:
                 nxt = self.add_node(node, int(tok))
             self.weights[nxt] += weight
             self.counts[nxt] += 1
+            self.agree[nxt] = max(self.agree[nxt], agree)
             node = nxt
 
     def path_tokens(self, node: int) -> list[int]:
@@ -108,6 +112,7 @@ class TokenTree:
             leaves += opens_leaf
             new = out.add_node(new_parent, self.tokens[old], self.weights[old])
             out.counts[new] = self.counts[old]
+            out.agree[new] = self.agree[old]
             push_children(old, new)
         return out
 

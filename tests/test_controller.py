@@ -40,9 +40,9 @@ def test_expensive_nodes_and_weak_evidence_give_a_plain_step():
 def test_cheap_nodes_give_a_large_tree():
     tree = _bushy_tree()
     cost = CostModel([1, 64], [0.001, 0.0012]).table(60)
-    q = [1.0] + [0.5] * (len(tree) - 1)
+    q = [1.0] + [0.8] * (len(tree) - 1)
     plan = choose(tree, q, cost, max_branches=8)
-    assert plan.tree.n_draft >= 40
+    assert plan.tree.n_draft == len(tree) - 1  # verification is nearly free: take it all
     assert len(plan.tree.layout().leaf_branch) == 6
 
 

@@ -13,10 +13,12 @@ import time
 
 import httpx
 import pytest
+from text_data import assert_same_up_to_ties
 
 pytestmark = pytest.mark.model
 
 KEY = "test-key"
+AR = {"srsd": {"mode": "ar"}}  # plain decoding: batch shapes repeat, so outputs are exact
 PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"
 
 
@@ -81,8 +83,8 @@ def test_health_and_models(server, client):
 
 def test_completion_matches_engine_and_usage_matches_tokenizer(client, engine):
     res = client.completions.create(model="gemma-test", prompt=PROMPT, max_tokens=40,
-                                    temperature=0)
-    ref = engine.generate(PROMPT, max_tokens=40, mode="srsd")
+                                    temperature=0, extra_body=AR)
+    ref = engine.generate(PROMPT, max_tokens=40, mode="ar")
     assert res.choices[0].text == ref.text
     assert res.choices[0].finish_reason == ref.finish_reason
     assert res.usage.prompt_tokens == len(engine.tokenize(PROMPT))
@@ -93,8 +95,18 @@ def test_completion_matches_engine_and_usage_matches_tokenizer(client, engine):
     assert t["draft_n"] >= t["draft_n_accepted"] >= 0 and t["mean_accepted_length"] >= 1
 
 
+def test_speculative_completion_equals_engine_up_to_ties(client, engine):
+    res = client.completions.create(model="gemma-test", prompt=PROMPT, max_tokens=40,
+                                    temperature=0)
+    assert res.model_extra["timings"]["mode"] == "srsd"
+    ids = engine.tokenize(res.choices[0].text, add_bos=False)
+    plain = engine.generate(PROMPT, max_tokens=40, mode="ar")
+    assert_same_up_to_ties(engine, engine.tokenize(PROMPT), plain.token_ids,
+                           engine.tokenize(plain.text, add_bos=False), ids)
+
+
 def test_streamed_completion_equals_non_streamed(client):
-    kw = dict(model="gemma-test", prompt=PROMPT, max_tokens=40, temperature=0)
+    kw = dict(model="gemma-test", prompt=PROMPT, max_tokens=40, temperature=0, extra_body=AR)
     full = client.completions.create(**kw)
     chunks = list(client.completions.create(stream=True,
                                             stream_options={"include_usage": True}, **kw))
@@ -109,13 +121,14 @@ def test_chat_streamed_and_not(client, engine):
     msgs = [{"role": "system", "content": "You write Python."},
             {"role": "user", "content": "Write a function that adds two numbers."}]
     res = client.chat.completions.create(model="gemma-test", messages=msgs, max_tokens=30,
-                                         temperature=0, stop=["\n\n\n"])
-    ref = engine.chat(msgs, max_tokens=30, stop=["\n\n\n"], mode="srsd")
+                                         temperature=0, stop=["\n\n\n"], extra_body=AR)
+    ref = engine.chat(msgs, max_tokens=30, stop=["\n\n\n"], mode="ar")
     assert res.choices[0].message.role == "assistant"
     assert res.choices[0].message.content == ref.text
     assert res.usage.prompt_tokens == len(engine.tokenize(engine.apply_chat_template(msgs)))
     stream = client.chat.completions.create(model="gemma-test", messages=msgs, max_tokens=30,
-                                            temperature=0, stop=["\n\n\n"], stream=True)
+                                            temperature=0, stop=["\n\n\n"], stream=True,
+                                            extra_body=AR)
     parts = list(stream)
     assert parts[0].choices[0].delta.role == "assistant"
     assert "".join(p.choices[0].delta.content or "" for p in parts) == ref.text
@@ -223,7 +236,7 @@ def test_concurrent_clients_get_sequential_results(client):
 
     def call(p):
         return client.completions.create(model="gemma-test", prompt=p, max_tokens=24,
-                                         temperature=0).choices[0].text
+                                         temperature=0, extra_body=AR).choices[0].text
 
     sequential = [call(p) for p in prompts]
     with cf.ThreadPoolExecutor(8) as ex:
