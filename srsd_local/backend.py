@@ -298,28 +298,42 @@ class Backend:
         raise DecodeError(f"llama_decode failed with code {rc} for a batch of {m} tokens "
                           "(invalid batch: positions, sequence ids or tokens out of range)")
 
-    def profile(self, sizes: Sequence[int], reps: int = 3) -> list[float]:
-        """Median seconds of one decode of n tokens (logits for all), for each n in sizes.
-        Uses and then clears the context."""
+    def profile(self, sizes: Sequence[int], reps: int = 5, long_ctx: int = 1024
+                ) -> tuple[list[float], float, int]:
+        """Step costs for the controller: median seconds of one decode of n tokens (logits for
+        all) for each n in sizes at a short context, plus seconds per (token x context
+        token) from the largest size at a long context. Uses and then clears the context."""
         import time  # noqa: PLC0415
 
-        self.clear()
-        ctx = self.tokenize("The quick brown fox jumps over the lazy dog. " * 12)
-        self.decode(ctx, want_logits="none")
-        base = self.n_past
-        out = []
-        for n in sizes:
+        def timed(n: int, base: int, filler: list[int]) -> float:
             times = []
             for _ in range(reps + 1):  # the first is a warm-up
                 t0 = time.perf_counter()
-                res = self.decode([ctx[1 + i % (len(ctx) - 1)] for i in range(n)],
+                res = self.decode([filler[1 + i % (len(filler) - 1)] for i in range(n)],
                                   want_logits="all")
                 np.argmax(res.logits, axis=1)
                 times.append(time.perf_counter() - t0)
                 self.trim(base)
-            out.append(float(np.median(times[1:])))
+            return float(np.median(times[1:]))
+
         self.clear()
-        return out
+        text = "The quick brown fox jumps over the lazy dog. "
+        filler = self.tokenize(text * 12)
+        self.decode(filler, want_logits="none")
+        ctx0 = self.n_past
+        short = [timed(n, ctx0, filler) for n in sizes]
+        per_kv = 0.0
+        n_long = min(int(sizes[-1]), 32)
+        long_ctx = min(long_ctx, self.n_ctx - n_long - 1)
+        if long_ctx > 2 * ctx0:
+            self.clear()
+            many = self.tokenize(text * (long_ctx // 8 + 1))[:long_ctx]
+            self.decode(many, want_logits="none")
+            t_long = timed(n_long, self.n_past, filler)
+            t_short = float(np.interp(n_long, sizes, short))
+            per_kv = max(0.0, (t_long - t_short) / (n_long * (self.n_past - ctx0)))
+        self.clear()
+        return short, per_kv, ctx0
 
     # -- KV cache -------------------------------------------------------------------------
     def fork(self, n_branches: int) -> None:

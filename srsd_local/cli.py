@@ -57,7 +57,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     cfg = _engine_config(args)
     cfg.setdefault("n_ctx", 4096)
-    return main_bench(args, lambda: Engine.load(args.model, **cfg))
+    return main_bench(args, lambda: Engine.load(args.model, learned=False, **cfg))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -22,45 +22,59 @@ from .tree import TokenTree
 
 
 class CostModel:
-    """Latency of a step as a function of the number of decoded tokens."""
+    """Latency of a step: t(n, L) = base(n) + per_kv * n * (L - L0) for n decoded tokens with
+    L tokens already in the context (attention grows with both); base(n) is profiled at a
+    short context L0, per_kv from one more measurement at a long one."""
 
-    def __init__(self, sizes: Sequence[int], seconds: Sequence[float], alpha: float = 0.1
-                 ) -> None:
+    def __init__(self, sizes: Sequence[int], seconds: Sequence[float], per_kv: float = 0.0,
+                 ctx0: int = 0, alpha: float = 0.1) -> None:
         if len(sizes) == 0 or len(sizes) != len(seconds) or sizes[0] != 1:
             raise ValueError("a cost profile needs sizes starting at 1 and one time per size")
         self.sizes = np.asarray(sizes, dtype=np.int64)
-        self.seconds = np.asarray(seconds, dtype=np.float64)
+        # a bigger batch never costs less: smooth out measurement noise
+        self.seconds = np.maximum.accumulate(np.asarray(seconds, dtype=np.float64))
+        self.per_kv = max(float(per_kv), 0.0)
+        self.ctx0 = int(ctx0)
         self.alpha = alpha
 
-    def t(self, n: int) -> float:
-        if n >= self.sizes[-1] and len(self.sizes) > 1:  # extrapolate with the last slope
+    def _base(self, n: np.ndarray) -> np.ndarray:
+        out = np.interp(n, self.sizes, self.seconds)
+        if len(self.sizes) > 1:  # extrapolate past the last size with the last slope
             s0, s1 = self.sizes[-2], self.sizes[-1]
             slope = (self.seconds[-1] - self.seconds[-2]) / (s1 - s0)
-            return float(self.seconds[-1] + slope * (n - s1))
-        return float(np.interp(n, self.sizes, self.seconds))
+            out = np.where(n > s1, self.seconds[-1] + slope * (n - s1), out)
+        return out
 
-    def table(self, n_max: int) -> np.ndarray:
-        """t(1..n_max) as an array indexed by n (index 0 unused)."""
-        return np.array([0.0] + [self.t(n) for n in range(1, n_max + 1)])
+    def t(self, n: int, ctx: int | None = None) -> float:
+        return float(self.table(n, ctx)[n])
 
-    def observe(self, n: int, seconds: float) -> None:
-        """Move the two profile points around n towards a measured step time."""
+    def table(self, n_max: int, ctx: int | None = None) -> np.ndarray:
+        """t(n) for n = 0..n_max at context length ctx (index 0 unused)."""
+        n = np.arange(n_max + 1)
+        extra = self.per_kv * n * max(0, (ctx if ctx is not None else self.ctx0) - self.ctx0)
+        return self._base(n) + extra
+
+    def observe(self, n: int, seconds: float, ctx: int | None = None) -> None:
+        """Move the profile points around n towards a measured step time."""
+        if ctx is not None:
+            seconds -= self.per_kv * n * max(0, ctx - self.ctx0)
         idx = int(np.searchsorted(self.sizes, n))
         if idx < len(self.sizes) and self.sizes[idx] == n:
             self.seconds[idx] += self.alpha * (seconds - self.seconds[idx])
-            return
-        lo, hi = max(idx - 1, 0), min(idx, len(self.sizes) - 1)
-        err = seconds - self.t(n)
-        for j in {lo, hi}:
-            self.seconds[j] += self.alpha * err * 0.5
-        self.seconds[1:] = np.maximum(self.seconds[1:], self.seconds[0] * 0.5)
+        else:
+            lo, hi = max(idx - 1, 0), min(idx, len(self.sizes) - 1)
+            err = seconds - float(self._base(np.array([n]))[0])
+            for j in {lo, hi}:
+                self.seconds[j] += self.alpha * err * 0.5
+        self.seconds = np.maximum.accumulate(np.maximum(self.seconds, 1e-6))
 
     def to_dict(self) -> dict:
-        return {"sizes": self.sizes.tolist(), "seconds": self.seconds.tolist()}
+        return {"sizes": self.sizes.tolist(), "seconds": self.seconds.tolist(),
+                "per_kv": self.per_kv, "ctx0": self.ctx0}
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
-        return cls(d["sizes"], d["seconds"])
+        return cls(d["sizes"], d["seconds"], d.get("per_kv", 0.0), d.get("ctx0", 0))
 
 
 def _bucket(x: float, edges: Sequence[float]) -> int:
@@ -77,9 +91,10 @@ class NodeEvidence:
     strength: float  # mean weight of the drafts through this node
     n_drafts: int  # drafts through the root
     agree: int = 0  # longest context match (tokens up to the root) among those drafts
+    recent: float = 0.5  # how often the last trees of this generation got a token accepted
 
     def keys(self, source: str, greedy: bool) -> tuple[tuple, tuple]:
-        coarse = (source, greedy, min(self.depth, 12))
+        coarse = (source, greedy, min(self.depth, 12), _bucket(self.recent, (0.25, 0.5, 0.75)))
         fine = coarse + (_bucket(self.share, (0.34, 0.67, 0.999)),
                          _bucket(self.strength, (0.4, 0.6, 0.8, 0.9)),
                          _bucket(self.agree, (2, 3, 5)))
@@ -154,6 +169,15 @@ class Plan:
 
 
 def _path_probs(tree: TokenTree, q: Sequence[float]) -> np.ndarray:
+    """P(node accepted). Siblings exclude each other (the model picks one token), so their
+    conditional probabilities are scaled down when they would sum past 1."""
+    q = np.asarray(q, dtype=np.float64).copy()
+    for node in range(len(tree)):
+        kids = tree.children(node)
+        if len(kids) > 1:
+            total = q[kids].sum()
+            if total > 1.0:
+                q[kids] /= total
     p = np.ones(len(tree))
     for i in range(1, len(tree)):  # parents come before children
         p[i] = p[tree.parents[i]] * q[i]

@@ -92,7 +92,9 @@ class GenerationResult:
     stats: GenerationStats
 
 
-_SEED_TRIALS = 40  # calibration seeds count at most this many outcomes per kind of node
+_SEED_TRIALS = 20  # calibration seeds count at most this many outcomes per kind of node
+_RECENT_RATE = 0.3
+_RECENT_DRIFT = 0.05
 
 
 class _StopScanner:
@@ -155,7 +157,11 @@ class Engine:
         self._drafters: dict[str, Drafter | None] = {m: make_drafter(m, config) for m in MODES}
 
     @classmethod
-    def load(cls, model: str | Path | None = None, **config: Any) -> Engine:
+    def load(cls, model: str | Path | None = None, *, learned: bool = True, **config: Any
+             ) -> Engine:
+        """Load a model (see `resolve_model`); `config` takes SRSDConfig fields. The acceptance
+        model starts from what earlier runs learned (`learned=False`: from the model's
+        calibration only, as benchmarks do for repeatable results)."""
         cfg = config.pop("config", None) or SRSDConfig()
         path = resolve_model(model)
         calibration = load_calibration_file(path) or {}
@@ -169,7 +175,9 @@ class Engine:
             backend.close()
             raise
         engine._acceptance_file = cache_dir() / "acceptance" / f"{model_key(path)}.json"
-        saved = load_json(engine._acceptance_file)
+        saved = load_json(engine._acceptance_file) if learned else None
+        if not learned:
+            engine._acceptance_file = None  # and leave the user's learned state alone
         if isinstance(saved, list):  # what earlier runs learned (seed included)
             engine.acceptance.load_json(saved)
         elif calibration.get("acceptance"):
@@ -286,6 +294,7 @@ class Engine:
             return
 
         emitted = 0
+        recent = 0.5  # EMA: did the last verified trees get a token accepted?
         pending: list[int] = [x]  # tokens to emit this step (x: chosen, not yet in the KV)
         drafted_flags: list[bool] = [False]
         while True:
@@ -330,7 +339,7 @@ class Engine:
                                                     self.index if needs_index else None),
                                          max_nodes=room)
                     if tree.n_draft and drafter.config.adaptive:
-                        plan = self._plan(tree, mode, params.greedy, room)
+                        plan = self._plan(tree, mode, params.greedy, room, recent)
                         tree = plan.tree
             tb = time.perf_counter()
             stats.time_draft += tb - ta
@@ -340,6 +349,8 @@ class Engine:
                 out = be.decode([x])
                 path, y = [0], sampler(out.logits[0])
                 path_tokens = [x]
+                # without fresh evidence, drift back towards neutral so drafting is retried
+                recent += _RECENT_DRIFT * (0.5 - recent)
             else:
                 lay = tree.layout()
                 be.fork(lay.n_branches)
@@ -355,8 +366,14 @@ class Engine:
                                range(1, len(path)))
                 if plan is not None:
                     _add_per_depth(stats.predicted_per_depth, plan.probs[1:], tree.depths[1:])
-                self._learn(tree, plan.evidence if plan else evidence(tree), path, mode,
-                            params.greedy)
+                if plan is not None:
+                    ev = plan.evidence
+                else:
+                    ev = evidence(tree)
+                    for e in ev[1:]:
+                        e.recent = recent
+                self._learn(tree, ev, path, mode, params.greedy)
+                recent += _RECENT_RATE * (float(len(path) > 1) - recent)
             tc = time.perf_counter()
             stats.time_verify += tc - tb
             stats.steps += 1
@@ -372,21 +389,21 @@ class Engine:
             stats.time_index += td - tc
             stats.tree_sizes.append(len(path) if tree is None else len(tree))
             if self.config.adaptive:
-                self.cost.observe(stats.tree_sizes[-1], td - ta)
+                self.cost.observe(stats.tree_sizes[-1], td - ta, n)
             pending = path_tokens[1:] + [y]
             drafted_flags = [True] * (len(path) - 1) + [False]
             x = y
 
     # -- the controller -----------------------------------------------------------------------
-    def _plan(self, tree, mode: str, greedy: bool, room: int):
+    def _plan(self, tree, mode: str, greedy: bool, room: int, recent: float):
         ev = evidence(tree)
+        for e in ev[1:]:
+            e.recent = recent
         acc = self.acceptance
         q = [1.0] + [acc.q_explore(e, mode, greedy) for e in ev[1:]]
         q_mean = [1.0] + [acc.q(e, mode, greedy) for e in ev[1:]]
         n_max = min(room, len(tree) - 1) + 1
-        cost = np.interp(np.arange(n_max + 1), self.cost.sizes, self.cost.seconds)
-        if n_max > self.cost.sizes[-1]:
-            cost = self.cost.table(n_max)
+        cost = self.cost.table(n_max, self.backend.n_past)
         return choose(tree, q, cost, self.config.max_branches, q_mean)
 
     def _learn(self, tree, ev, path: list[int], mode: str, greedy: bool) -> None:
@@ -425,14 +442,16 @@ def load_cost_model(backend: Backend, cfg: SRSDConfig) -> CostModel:
     sizes = [n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128) if n < n_max]
     sizes.append(n_max)
     st = Path(backend.model_path).stat()
-    key = "|".join(str(v) for v in (Path(backend.model_path).resolve(), st.st_size, st.st_mtime_ns,
+    key = "|".join(str(v) for v in ("v2", Path(backend.model_path).resolve(), st.st_size,
+                                    st.st_mtime_ns,
                                     cfg.threads, cfg.n_gpu_layers, gpu_offload_supported(),
                                     backend.n_batch, sizes))
     path = cache_dir() / "profiles" / (hashlib.sha1(key.encode()).hexdigest() + ".json")
     cached = load_json(path)
     if cached and cached.get("key") == key:
         return CostModel.from_dict(cached)
-    model = CostModel(sizes, backend.profile(sizes))
+    seconds, per_kv, ctx0 = backend.profile(sizes)
+    model = CostModel(sizes, seconds, per_kv, ctx0)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"key": key, **model.to_dict()}), encoding="utf-8")
     return model

@@ -100,6 +100,21 @@ def test_evidence_features():
     assert ev[t.child(n1, 2)].share == 0.5 and ev[t.child(n1, 2)].n_drafts == 2
 
 
+def test_cost_grows_with_context_and_is_monotone():
+    c = CostModel([1, 2, 4, 8], [0.010, 0.021, 0.019, 0.040], per_kv=2e-6, ctx0=100)
+    assert list(c.seconds) == sorted(c.seconds)  # noise smoothed: never cheaper when bigger
+    short, long = c.table(17, ctx=100), c.table(17, ctx=1100)
+    assert long[17] - short[17] == pytest.approx(2e-6 * 17 * 1000)
+    assert long[1] - short[1] == pytest.approx(2e-6 * 1000)
+    # at a long context each node costs more attention: the chosen tree shrinks
+    tree = _chain_tree(16)
+    q = [1.0] + [0.8] * 16
+    cm = CostModel([1, 2, 17], [0.010, 0.020, 0.045], per_kv=3e-6, ctx0=100)
+    near = choose(tree, q, cm.table(17, 100), 4).tree.n_draft
+    far = choose(tree, q, cm.table(17, 2000), 4).tree.n_draft
+    assert near > far > 0
+
+
 def test_cost_model_refines_online():
     c = CostModel([1, 2, 16], [0.010, 0.020, 0.050])
     for _ in range(100):
@@ -119,7 +134,7 @@ class _ProfiledFake(FakeBackend):
 
     def profile(self, sizes, reps=3):
         self.profiles += 1
-        return [0.01 + 0.002 * n for n in sizes]
+        return [0.01 + 0.002 * n for n in sizes], 1e-6, 100
 
 
 def test_cost_profile_is_cached_and_invalidated_when_the_model_file_changes(tmp_path,

