@@ -112,20 +112,23 @@ class AcceptanceModel:
 
     prior: float = 0.4  # measured: weak srsd hits are accepted ~20%, strong ones ~80-100%
     strength: float = 4.0  # pseudo-counts of the prior at each back-off level
-    bonus: float = 0.2
+    bonus: float = 0.15
     counts: dict = field(default_factory=dict)  # key -> [accepted, tried]
 
-    def _post(self, ev: NodeEvidence, source: str, greedy: bool) -> tuple[float, int]:
+    def _post(self, ev: NodeEvidence, source: str, greedy: bool) -> tuple[float, float]:
         coarse, fine = ev.keys(source, greedy)
-        a, n = self.counts.get(coarse, (0, 0))
-        qc = (a + self.strength * self.prior) / (n + self.strength)
+        a, n_coarse = self.counts.get(coarse, (0, 0))
+        qc = (a + self.strength * self.prior) / (n_coarse + self.strength)
         a, n = self.counts.get(fine, (0, 0))
-        return (a + self.strength * qc) / (n + self.strength), n
+        return (a + self.strength * qc) / (n + self.strength), n_coarse
 
     def q(self, ev: NodeEvidence, source: str, greedy: bool) -> float:
         return self._post(ev, source, greedy)[0]
 
     def q_explore(self, ev: NodeEvidence, source: str, greedy: bool) -> float:
+        """Optimistic by how little this depth (and recent-acceptance level) was tried: the
+        bonus follows the coarse key, which fills quickly, so it cannot compound down long
+        chains of rarely seen fine keys."""
         mean, n = self._post(ev, source, greedy)
         return min(1.0, mean + self.bonus / (1.0 + n) ** 0.5)
 

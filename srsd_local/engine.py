@@ -95,6 +95,7 @@ class GenerationResult:
 _SEED_TRIALS = 20  # calibration seeds count at most this many outcomes per kind of node
 _RECENT_RATE = 0.3
 _RECENT_DRIFT = 0.05
+_MAX_SKIP = 8
 
 
 class _StopScanner:
@@ -295,6 +296,7 @@ class Engine:
 
         emitted = 0
         recent = 0.5  # EMA: did the last verified trees get a token accepted?
+        declined = skip = 0  # plans in a row the controller declined; steps not to draft
         pending: list[int] = [x]  # tokens to emit this step (x: chosen, not yet in the KV)
         drafted_flags: list[bool] = [False]
         while True:
@@ -332,15 +334,18 @@ class Engine:
             n = be.n_past
             ta = time.perf_counter()
             tree, plan = None, None
-            if drafter is not None:
-                room = min(drafter.config.max_nodes, be.n_ctx - n - 2)
-                if room > 0:
-                    tree = drafter.draft(DraftInput(self._ctx[:n], x, self._last_hidden,
-                                                    self.index if needs_index else None),
-                                         max_nodes=room)
-                    if tree.n_draft and drafter.config.adaptive:
-                        plan = self._plan(tree, mode, params.greedy, room, recent)
-                        tree = plan.tree
+            room = 0 if drafter is None else min(drafter.config.max_nodes, be.n_ctx - n - 2)
+            if skip > 0:  # the controller kept declining: look again later, not every step
+                skip -= 1
+            elif room > 0:
+                tree = drafter.draft(DraftInput(self._ctx[:n], x, self._last_hidden,
+                                                self.index if needs_index else None),
+                                     max_nodes=room)
+                if tree.n_draft and drafter.config.adaptive:
+                    plan = self._plan(tree, mode, params.greedy, room, recent)
+                    tree = plan.tree
+                    declined = 0 if tree.n_draft else declined + 1
+                    skip = min(2 ** declined // 2, _MAX_SKIP)
             tb = time.perf_counter()
             stats.time_draft += tb - ta
 
