@@ -369,15 +369,6 @@ def create_app(service: Service, ui: bool = False):
         service.metrics.requests.labels(endpoint, str(exc.status)).inc()
         return JSONResponse(exc.body(), status_code=exc.status)
 
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            return error(APIError(413, f"request body is {length} bytes; the limit is "
-                                  f"{MAX_BODY_BYTES}", code="request_too_large"),
-                         request.url.path)
-        return await call_next(request)
-
     @app.get("/health")
     async def health():
         if service.load_error:
@@ -402,6 +393,12 @@ def create_app(service: Service, ui: bool = False):
                                             "created": 0, "owned_by": "srsd-local"}]}
 
     async def read_body(request: Request) -> Any:
+        # (checked here rather than in an HTTP middleware: Starlette's BaseHTTPMiddleware
+        # hides client disconnects from the endpoint)
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            raise APIError(413, f"request body is {length} bytes; the limit is "
+                           f"{MAX_BODY_BYTES}", code="request_too_large")
         raw = await request.body()
         if len(raw) > MAX_BODY_BYTES:
             raise APIError(413, f"request body is {len(raw)} bytes; the limit is "
