@@ -155,6 +155,8 @@ class Engine:
         self.index = VectorIndex(backend.n_embd, backend.n_ctx, config.index_backend)
         self._ctx = np.zeros(backend.n_ctx + 1, dtype=np.int32)  # tokens in sequence 0
         self._last_hidden: np.ndarray | None = None  # hidden row of position n_past-1
+        # (position, logits, hidden row) after the last prefilled prompt
+        self._prompt_end: tuple[int, np.ndarray, np.ndarray | None] | None = None
         self._drafters: dict[str, Drafter | None] = {m: make_drafter(m, config) for m in MODES}
 
     @classmethod
@@ -216,6 +218,7 @@ class Engine:
         """Forget the context (KV cache and index): the next call prefills from scratch."""
         self.backend.clear()
         self.index.clear()
+        self._prompt_end = None
 
     @property
     def model_name(self) -> str:
@@ -229,17 +232,27 @@ class Engine:
 
     # -- the loop ---------------------------------------------------------------------------
     def _prepare(self, prompt_tokens: list[int], needs_index: bool) -> tuple[np.ndarray, int]:
-        """Reuse the common prefix, prefill the rest; return (last logits row, reused)."""
+        """Reuse the common prefix, prefill the rest; return (last logits row, reused).
+
+        The prompt is always prefilled with capture on, so its hidden rows are indexed
+        whatever the mode. When the context already holds the whole prompt and the logits
+        after it were kept from its prefill, nothing is decoded at all: repeated prompts
+        start from the very same numbers whatever mode asks (batched and one-token passes
+        round differently, so re-decoding the last token would not)."""
         be = self.backend
-        n_old = be.n_past
-        common = 0
-        limit = min(n_old, len(prompt_tokens) - 1)  # re-decode >= 1 token for its logits
-        if limit > 0:
-            old = self._ctx[:limit]
-            diff = np.flatnonzero(old != np.asarray(prompt_tokens[:limit], dtype=np.int32))
-            common = int(diff[0]) if len(diff) else limit
-        if needs_index:
-            common = min(common, len(self.index))
+        n = len(prompt_tokens)
+        prompt = np.asarray(prompt_tokens, dtype=np.int32)
+        limit = min(be.n_past, n)
+        diff = np.flatnonzero(self._ctx[:limit] != prompt[:limit])
+        common = int(diff[0]) if len(diff) else limit
+        common = min(common, len(self.index))
+        saved = self._prompt_end
+        if common == n and saved is not None and saved[0] == n - 1:
+            be.trim(n)
+            self.index.truncate(n)
+            self._last_hidden = saved[2]
+            return saved[1], n
+        common = min(common, n - 1)  # decode at least one token, for its logits
         be.trim(common)
         self.index.truncate(common)
         if common == 0:
@@ -247,13 +260,15 @@ class Engine:
             self.index.clear()
         new = prompt_tokens[common:]
         if be.capture is not None:
-            be.capture.enabled = needs_index
+            be.capture.enabled = True
         out = be.decode(new, want_logits="last")
-        self._ctx[common: common + len(new)] = new
-        if needs_index and out.hidden is not None:
-            self.index.add(out.hidden, np.arange(common, common + len(new)))
+        self._ctx[common: n] = new
+        last = out.logits[-1].copy()
+        if out.hidden is not None:
+            self.index.add(out.hidden, np.arange(common, n))
             self._last_hidden = out.hidden[-1].copy()
-        return out.logits[-1], common
+        self._prompt_end = (n - 1, last, self._last_hidden)
+        return last, common
 
     def stream(self, prompt: str | Sequence[int], max_tokens: int = 256,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
@@ -286,6 +301,8 @@ class Engine:
         # 1. prefill (reusing what the context already holds)
         t0 = time.perf_counter()
         last_logits, stats.reused_prompt_tokens = self._prepare(tokens, needs_index)
+        if be.capture is not None:
+            be.capture.enabled = needs_index
         x = sampler(last_logits)
         t1 = time.perf_counter()
         stats.prompt_seconds = t1 - t0

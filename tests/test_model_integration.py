@@ -13,6 +13,7 @@ from text_data import MAX_TIE_GAP, assert_same_up_to_ties, edit_prompt
 from srsd_local.backend import Backend, ContextFullError
 from srsd_local.capture import resolve_layer
 from srsd_local.config import SRSDConfig
+from srsd_local.controller import CostModel
 from srsd_local.engine import Engine
 from srsd_local.models import ModelError
 
@@ -138,8 +139,17 @@ def test_greedy_is_deterministic_and_seeded_sampling_reproducible(engine):
     assert s3.token_ids != s1.token_ids
 
 
+@pytest.fixture
+def fixed_trees(engine):
+    """The engine with the controller off: every drafted tree is verified."""
+    engine.reconfigure(adaptive=False)
+    yield engine
+    engine.reconfigure(adaptive=True)
+
+
 @pytest.mark.parametrize("mode", ["pld", "srsd", "hybrid"])
-def test_speculative_greedy_equals_plain_up_to_ties(engine, mode):
+def test_speculative_greedy_equals_plain_up_to_ties(fixed_trees, mode):
+    engine = fixed_trees
     prompt = edit_prompt()
     plain = engine.generate(prompt, max_tokens=120, mode="ar")
     spec = engine.generate(prompt, max_tokens=120, mode=mode)
@@ -147,6 +157,25 @@ def test_speculative_greedy_equals_plain_up_to_ties(engine, mode):
     assert spec.stats.steps < plain.stats.steps
     assert_same_up_to_ties(engine, engine.tokenize(prompt), plain.token_ids, plain.token_ids,
                            spec.token_ids)
+
+
+def test_controller_on_the_real_model_follows_the_cost(engine):
+    prompt = edit_prompt()
+    plain = engine.generate(prompt, max_tokens=80, mode="ar")
+    saved = engine.cost
+    try:
+        # verification nearly free (as on a big GPU): large trees, many tokens per step
+        engine.cost = CostModel([1, 2, 64], [0.010, 0.0102, 0.011])
+        cheap = engine.generate(prompt, max_tokens=80, mode="srsd")
+        assert max(cheap.stats.tree_sizes) > 8 and cheap.stats.mean_accepted_length > 2
+        assert len(cheap.stats.predicted_per_depth) >= 1
+        # verification hugely expensive: every step is a plain one, output is plain output
+        engine.cost = CostModel([1, 2, 64], [0.010, 1.0, 30.0])
+        dear = engine.generate(prompt, max_tokens=80, mode="srsd")
+        assert set(dear.stats.tree_sizes) == {1} and dear.stats.draft_tokens == 0
+        assert dear.token_ids == plain.token_ids
+    finally:
+        engine.cost = saved
 
 
 def test_speculative_sampling_is_reproducible_and_matches_plain_length(engine):
