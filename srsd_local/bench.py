@@ -106,6 +106,7 @@ class RunRecord:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_depth: list[int] = field(default_factory=list)
+    predicted_per_depth: list[float] = field(default_factory=list)
     drafts: int = 0
     time_draft: float = 0.0
     time_verify: float = 0.0
@@ -151,8 +152,9 @@ class LcpPeer:
 def _record_from_stats(p: BenchPrompt, mode: str, repeat: int, res) -> RunRecord:
     s = res.stats
     return RunRecord(p.id, p.category, mode, repeat, s.tokens, s.seconds, s.steps,
-                     s.draft_tokens, s.accepted_tokens, list(s.accepted_per_depth), s.drafts,
-                     s.time_draft, s.time_verify, s.time_index, token_ids=list(res.token_ids))
+                     s.draft_tokens, s.accepted_tokens, list(s.accepted_per_depth),
+                     list(s.predicted_per_depth), s.drafts, s.time_draft, s.time_verify,
+                     s.time_index, token_ids=list(res.token_ids))
 
 
 def run_bench(engine, prompts: list[BenchPrompt], modes: list[str], repeats: int = 1,
@@ -199,12 +201,17 @@ def _aggregate(recs: Iterable[RunRecord]) -> dict[str, Any]:
     drafted = sum(r.draft_tokens for r in recs)
     accepted = sum(r.accepted_tokens for r in recs)
     same = [r.identical_to_ar for r in recs if r.identical_to_ar is not None]
-    depth: list[int] = []
-    for r in recs:
-        for d, n in enumerate(r.accepted_per_depth):
-            if d >= len(depth):
-                depth.append(0)
-            depth[d] += n
+    def per_depth(lists: Iterable[list]) -> list:
+        out: list = []
+        for values in lists:
+            for d, n in enumerate(values):
+                if d >= len(out):
+                    out.append(0)
+                out[d] += n
+        return out
+
+    depth = per_depth(r.accepted_per_depth for r in recs)
+    predicted = per_depth(r.predicted_per_depth for r in recs)
     drafts = sum(r.drafts for r in recs)
     return {
         "runs": len(recs), "tokens": tokens, "seconds": seconds,
@@ -214,6 +221,8 @@ def _aggregate(recs: Iterable[RunRecord]) -> dict[str, Any]:
         "draft_tokens": drafted, "accepted_tokens": accepted, "drafts": drafts,
         "accepted_per_depth": depth,
         "accepted_rate_per_depth": [n / drafts for n in depth] if drafts else [],
+        # the controller's forecast for the same trees (modes with the controller only)
+        "predicted_rate_per_depth": [n / drafts for n in predicted] if drafts else [],
         "share_draft": sum(r.time_draft for r in recs) / seconds if seconds else 0.0,
         "share_verify": sum(r.time_verify for r in recs) / seconds if seconds else 0.0,
         "share_index": sum(r.time_index for r in recs) / seconds if seconds else 0.0,
@@ -344,8 +353,29 @@ def doc_section(summary: dict[str, Any], modes: list[str], machine: dict[str, An
              f"- command: `{command}`", "",
              "Overall speed-up vs ar: " + ", ".join(
                  f"{m} {_fmt(o[m]['speedup_vs_ar'])}x" for m in modes if m != "ar"), "",
-             table(summary, modes), ""]
+             table(summary, modes), "",
+             calibration_table(summary), ""]
     return "\n".join(lines)
+
+
+def calibration_table(summary: dict[str, Any], mode: str = "srsd", depths: int = 8) -> str:
+    """Predicted vs measured share of verified trees accepted to each depth, per category."""
+    head = (f"Controller calibration ({mode}): predicted / measured share of verified trees "
+            f"accepted to depth d\n\n| category | " +
+            " | ".join(f"d={d}" for d in range(1, depths + 1)) + " |\n|" + "---|" * (depths + 1))
+    rows = []
+    for cat, block in list(summary["categories"].items()) + [("overall", summary["modes"])]:
+        a = block.get(mode)
+        if not a or not a["accepted_rate_per_depth"]:
+            continue
+        cells = []
+        for d in range(depths):
+            pr = a["predicted_rate_per_depth"][d] if d < len(a["predicted_rate_per_depth"]) \
+                else 0.0
+            ac = a["accepted_rate_per_depth"][d] if d < len(a["accepted_rate_per_depth"]) else 0.0
+            cells.append(f"{pr:.0%} / {ac:.0%}")
+        rows.append(f"| {cat} | " + " | ".join(cells) + " |")
+    return head + "\n" + "\n".join(rows)
 
 
 def main_bench(args, engine_factory: Callable[..., Any]) -> int:
