@@ -388,7 +388,6 @@ class Engine:
                                range(1, len(path)))
                 if plan is not None:
                     _add_per_depth(stats.predicted_per_depth, plan.probs[1:], tree.depths[1:])
-                if plan is not None:
                     ev = plan.evidence
                 else:
                     ev = evidence(tree)

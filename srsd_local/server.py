@@ -95,8 +95,7 @@ def parse_request(body: Any, kind: str) -> GenRequest:
                       "an integer >= 1")
     if max_tokens is None:
         max_tokens = _opt(body, "max_tokens", (int,), None, lambda v: v >= 1, "an integer >= 1")
-    n = _opt(body, "n", (int,), 1, lambda v: v == 1, "only 1 (one choice per request)")
-    del n
+    _opt(body, "n", (int,), 1, lambda v: v == 1, "only 1 (one choice per request)")
     stop = body.get("stop")
     if stop is None:
         stop_list: list[str] = []
