@@ -145,13 +145,20 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 def _cmd_ui(args: argparse.Namespace) -> int:
     from .ui import run_ui  # noqa: PLC0415
 
-    return run_ui(args)
+    return run_ui(args, _loader(args))
+
+
+def _loader(args: argparse.Namespace):
+    from .engine import Engine  # noqa: PLC0415
+
+    cfg = _engine_config(args)
+    return lambda: Engine.load(args.model, **cfg)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from .server import serve  # noqa: PLC0415
 
-    return serve(args)
+    return serve(args, _loader(args))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -519,20 +519,14 @@ def create_app(service: Service, ui: bool = False):
     return app
 
 
-def serve(args) -> int:
+def serve(args, load: Callable[[], Any]) -> int:
+    """Run the server for `srsd-local serve` (load: builds the Engine, in the background)."""
     import uvicorn  # noqa: PLC0415
 
-    from .engine import Engine  # noqa: PLC0415
-
-    cfg: dict[str, Any] = {"n_gpu_layers": args.n_gpu_layers}
-    if args.n_ctx is not None:
-        cfg["n_ctx"] = args.n_ctx
-    if args.threads is not None:
-        cfg["n_threads"] = args.threads
     if args.max_queue < 1:
         raise ValueError(f"--max-queue {args.max_queue}: accepted is an integer >= 1")
-    service = Service(lambda: Engine.load(args.model, **cfg), model_id=args.alias,
-                      api_key=args.api_key, mode=args.mode, max_queue=args.max_queue)
+    service = Service(load, model_id=args.alias, api_key=args.api_key, mode=args.mode,
+                      max_queue=args.max_queue)
     app = create_app(service, ui=not args.no_ui)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

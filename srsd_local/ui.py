@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from .config import MODES
@@ -234,18 +234,13 @@ def mount_ui(app, service: Service, path: str = "/ui"):
     return gr.mount_gradio_app(app, build_ui(service), path=path, css=CSS)
 
 
-def run_ui(args) -> int:
+def run_ui(args, load: Callable[[], Any]) -> int:
+    """Run the UI for `srsd-local ui` (the API endpoints come along)."""
     import uvicorn  # noqa: PLC0415
 
-    from .engine import Engine  # noqa: PLC0415
     from .server import create_app  # noqa: PLC0415
 
-    cfg: dict[str, Any] = {"n_gpu_layers": args.n_gpu_layers}
-    if args.n_ctx is not None:
-        cfg["n_ctx"] = args.n_ctx
-    if args.threads is not None:
-        cfg["n_threads"] = args.threads
-    service = Service(lambda: Engine.load(args.model, **cfg))
+    service = Service(load)
     app = create_app(service, ui=False)
     mount_ui(app, service, path="/")
     print(f"srsd-local UI on http://{args.host}:{args.port}/", flush=True)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
+import time
+
 import pytest
 
 from srsd_local.config import SRSDConfig
@@ -31,3 +36,35 @@ def backend(model_path):
                  capture_layer=4)
     yield be
     be.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_cli_server(args: list[str], timeout: float = 240):
+    """Start `srsd-local ARGS --port P` and wait until /health answers 200.
+    Returns (process, base URL, whether a 503 was seen while loading)."""
+    import httpx
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "srsd_local.cli", *args, "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}/"
+    saw_503 = False
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("server exited: " + proc.stdout.read())
+        try:
+            code = httpx.get(base + "health", timeout=2).status_code
+            saw_503 = saw_503 or code == 503
+            if code == 200:
+                return proc, base, saw_503
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server did not become healthy")

@@ -4,15 +4,12 @@ with the official `openai` client (and raw HTTP for malformed requests)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
 import re
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
+from conftest import start_cli_server
 from text_data import assert_same_up_to_ties
 
 pytestmark = pytest.mark.model
@@ -22,38 +19,12 @@ AR = {"srsd": {"mode": "ar"}}  # plain decoding: batch shapes repeat, so outputs
 PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "srsd_local.cli", "serve", "--port", str(port), "--api-key", KEY,
-         "--max-queue", "8", "--alias", "gemma-test", "--no-ui", "--n-ctx", "2048"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ.copy())
-    base = f"http://127.0.0.1:{port}"
-    saw_503 = False
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        try:
-            r = httpx.get(base + "/health", timeout=2)
-            if r.status_code == 503:
-                saw_503 = True
-            if r.status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError("server exited: " + proc.stdout.read())
-        time.sleep(0.2)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not become healthy")
-    yield {"base": base, "saw_503": saw_503, "proc": proc}
+    proc, base, saw_503 = start_cli_server(
+        ["serve", "--api-key", KEY, "--max-queue", "8", "--alias", "gemma-test", "--no-ui",
+         "--n-ctx", "2048"])
+    yield {"base": base.rstrip("/"), "saw_503": saw_503, "proc": proc}
     proc.terminate()
     proc.wait(timeout=30)
 

@@ -4,14 +4,13 @@ in headless Chromium."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from conftest import start_cli_server
 
 from srsd_local.ui import edit_prompt, unified_diff
 
@@ -21,28 +20,9 @@ CODE = 'def area(width, height):\n    """Area of a rectangle."""\n    result = w
        '    return result\n'
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ui_url():
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "srsd_local.cli", "ui", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}/"
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("ui exited: " + proc.stdout.read())
-        try:
-            if httpx.get(base + "health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
+    proc, base, _ = start_cli_server(["ui"])
     yield base
     proc.terminate()
     proc.wait(timeout=30)
