@@ -242,3 +242,29 @@ def test_cli_generate_prints_text_and_stats():
     bad = subprocess.run([sys.executable, "-m", "srsd_local.cli", "generate", "--prompt", "x",
                           "--model", "/nope.gguf"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "not found" in bad.stderr
+
+
+def test_compiled_and_python_capture_agree_and_fallback_without_compiler(model_path,
+                                                                         monkeypatch, tmp_path):
+    import srsd_local.capture as cap
+
+    cfg = SRSDConfig(n_ctx=512, n_batch=128, n_ubatch=128)
+    ids = None
+    rows = {}
+    for kind in ("c", "python"):
+        monkeypatch.setenv("SRSD_CAPTURE", kind)
+        with Backend(model_path, cfg, capture_layer=4) as be:
+            assert be.capture.kind == kind
+            ids = ids or be.tokenize("for i in range(10):\n    print(i * i)\n" * 16)
+            assert len(ids) > 128
+            rows[kind] = be.decode(ids, want_logits="last").hidden.copy()  # > n_batch: 2 calls
+    assert rows["c"].shape == (len(ids), 640)
+    np.testing.assert_array_equal(rows["c"], rows["python"])
+    # no compiler and nothing cached: the Python callback is used, and it works
+    monkeypatch.setenv("SRSD_CAPTURE", "c")
+    monkeypatch.setenv("SRSD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cap, "_compiler", lambda: None)
+    assert cap.compiled_callback_library() is None
+    with Backend(model_path, cfg, capture_layer=4) as be:
+        assert be.capture.kind == "python"
+        assert be.decode(ids[:20], want_logits="last").hidden.shape == (20, 640)
