@@ -94,7 +94,8 @@ class NodeEvidence:
     recent: float = 0.5  # how often the last trees of this generation got a token accepted
 
     def keys(self, source: str, greedy: bool) -> tuple[tuple, tuple]:
-        coarse = (source, greedy, min(self.depth, 12), _bucket(self.recent, (0.25, 0.5, 0.75)))
+        coarse = (source, greedy, min(self.depth, 12),
+                  _bucket(self.recent, (0.25, 0.5, 0.75, 0.9)))
         fine = coarse + (_bucket(self.share, (0.34, 0.67, 0.999)),
                          _bucket(self.strength, (0.4, 0.6, 0.8, 0.9)),
                          _bucket(self.agree, (2, 3, 5)))
@@ -169,11 +170,15 @@ class Plan:
     probs: list[float]  # predicted P(accepted) of each node of `tree` (root: 1)
     evidence: list[NodeEvidence | None]  # per node of `tree`
     expected_accepted: float
+    raw_probs: list[float] = field(default_factory=list)  # before the depth calibration
 
 
-def _path_probs(tree: TokenTree, q: Sequence[float]) -> np.ndarray:
+def _path_probs(tree: TokenTree, q: Sequence[float], depth_scale: Sequence[float] | None = None
+                ) -> np.ndarray:
     """P(node accepted). Siblings exclude each other (the model picks one token), so their
-    conditional probabilities are scaled down when they would sum past 1."""
+    conditional probabilities are scaled down when they would sum past 1. `depth_scale[d]`
+    corrects the probabilities of depth d (see DepthCalibration); a node never gets more
+    likely than its parent."""
     q = np.asarray(q, dtype=np.float64).copy()
     for node in range(len(tree)):
         kids = tree.children(node)
@@ -181,24 +186,61 @@ def _path_probs(tree: TokenTree, q: Sequence[float]) -> np.ndarray:
             total = q[kids].sum()
             if total > 1.0:
                 q[kids] /= total
+    raw = np.ones(len(tree))
     p = np.ones(len(tree))
     for i in range(1, len(tree)):  # parents come before children
-        p[i] = p[tree.parents[i]] * q[i]
+        raw[i] = raw[tree.parents[i]] * q[i]
+        scale = 1.0
+        if depth_scale is not None:
+            scale = depth_scale[min(tree.depths[i], len(depth_scale) - 1)]
+        p[i] = min(p[tree.parents[i]], raw[i] * scale, 1.0)
     return p
 
 
+class DepthCalibration:
+    """A second, per-depth calibration on top of the node model: the ratio of measured to
+    predicted acceptance at each depth over recent trees (exponentially weighted). The node
+    features cannot see everything (a long copy in progress makes deep nodes near-certain);
+    this corrects what remains, so forecasts match outcomes depth by depth."""
+
+    def __init__(self, depths: int = 17, decay: float = 0.98, lo: float = 0.2,
+                 hi: float = 10.0) -> None:
+        self.pred = np.ones(depths)
+        self.act = np.ones(depths)
+        self.decay, self.lo, self.hi = decay, lo, hi
+
+    def scale(self) -> np.ndarray:
+        return np.clip(self.act / np.maximum(self.pred, 1e-9), self.lo, self.hi)
+
+    def update(self, raw_probs: Sequence[float], depths: Sequence[int], accepted_depth: int
+               ) -> None:
+        n = len(self.pred)
+        pred = np.zeros(n)
+        for p, d in zip(raw_probs, depths):
+            pred[min(d, n - 1)] += p
+        act = np.zeros(n)
+        act[1: min(accepted_depth, n - 1) + 1] = 1.0
+        touched = pred > 0
+        self.pred[touched] = self.decay * self.pred[touched] + pred[touched]
+        self.act[touched] = self.decay * self.act[touched] + act[touched]
+
+
 def choose(tree: TokenTree, q: Sequence[float], cost: np.ndarray, max_branches: int,
-           q_report: Sequence[float] | None = None) -> Plan:
+           q_report: Sequence[float] | None = None,
+           depth_scale: Sequence[float] | None = None) -> Plan:
     """Best sub-tree by expected tokens per second.
 
     q[i] is node i's conditional acceptance; p[i] = p[parent] * q[i]. The best sub-tree of k
     nodes holds the k most probable nodes (p never grows down a path, so they are
     connected); k = 0 is a plain step. cost[n] is t(n) for n = 1..len(cost)-1. The plan
-    reports probabilities from `q_report` (default: q).
+    reports probabilities from `q_report` (default: q), both with `depth_scale`, and the
+    uncorrected ones (`raw_probs`) for the depth calibration.
     """
     n_nodes = len(tree)
-    p = _path_probs(tree, q)
-    p_rep = p if q_report is None else _path_probs(tree, q_report)
+    p = _path_probs(tree, q, depth_scale)
+    q_rep = q if q_report is None else q_report
+    p_rep = _path_probs(tree, q_rep, depth_scale)
+    p_raw = _path_probs(tree, q_rep)
     order = sorted(range(1, n_nodes), key=lambda i: (-p[i], tree.depths[i], i))
     order = order[: len(cost) - 2]
     best_k, best_rate, cum = 0, 1.0 / cost[1], 0.0
@@ -211,7 +253,7 @@ def choose(tree: TokenTree, q: Sequence[float], cost: np.ndarray, max_branches: 
     out = TokenTree(tree.tokens[0])
     out.weights[0], out.counts[0] = tree.weights[0], tree.counts[0]
     new_of = {0: 0}
-    probs, leaves = [1.0], 1
+    probs, raw, leaves = [1.0], [1.0], 1
     for node in sorted(keep, key=lambda i: (-p[i], tree.depths[i], i)):
         parent = tree.parents[node]
         if parent not in new_of:
@@ -225,10 +267,11 @@ def choose(tree: TokenTree, q: Sequence[float], cost: np.ndarray, max_branches: 
         out.agree[new] = tree.agree[node]
         new_of[node] = new
         probs.append(float(p_rep[node]))
+        raw.append(float(p_raw[node]))
     ev_all = evidence(tree)
     old_of = {v: k for k, v in new_of.items()}
     ev = [ev_all[old_of[i]] for i in range(len(out))]
-    return Plan(out, probs, ev, float(sum(probs) - 1.0))
+    return Plan(out, probs, ev, float(sum(probs) - 1.0), raw)
 
 
 def load_json(path: Path) -> dict | None:

@@ -27,7 +27,14 @@ from .backend import Backend, ContextFullError, TextStream
 from .calibrate import CALIBRATED_FIELDS, load_calibration_file, model_key
 from .chat import render_chat
 from .config import MODES, SamplingParams, SRSDConfig
-from .controller import AcceptanceModel, CostModel, choose, evidence, load_json
+from .controller import (
+    AcceptanceModel,
+    CostModel,
+    DepthCalibration,
+    choose,
+    evidence,
+    load_json,
+)
 from .drafters import Drafter, DraftInput, make_drafter
 from .index import VectorIndex
 from .models import cache_dir, resolve_model
@@ -92,7 +99,7 @@ class GenerationResult:
     stats: GenerationStats
 
 
-_SEED_TRIALS = 20  # calibration seeds count at most this many outcomes per kind of node
+_SEED_TRIALS = 10  # calibration seeds count at most this many outcomes per kind of node
 _RECENT_RATE = 0.3
 _RECENT_DRIFT = 0.05
 _MAX_SKIP = 8
@@ -152,6 +159,7 @@ class Engine:
         # without a measured profile, verification is assumed as cheap as a plain step
         self.cost = cost or CostModel([1, 2], [1.0, 1.0])
         self.acceptance = AcceptanceModel()
+        self.depth_calibration: dict[tuple[str, bool], DepthCalibration] = {}
         self.index = VectorIndex(backend.n_embd, backend.n_ctx, config.index_backend)
         self._ctx = np.zeros(backend.n_ctx + 1, dtype=np.int32)  # tokens in sequence 0
         self._last_hidden: np.ndarray | None = None  # hidden row of position n_past-1
@@ -388,6 +396,8 @@ class Engine:
                                range(1, len(path)))
                 if plan is not None:
                     _add_per_depth(stats.predicted_per_depth, plan.probs[1:], tree.depths[1:])
+                    self.depth_calibration[(mode, params.greedy)].update(
+                        plan.raw_probs[1:], tree.depths[1:], len(path) - 1)
                     ev = plan.evidence
                 else:
                     ev = evidence(tree)
@@ -425,7 +435,8 @@ class Engine:
         q_mean = [1.0] + [acc.q(e, mode, greedy) for e in ev[1:]]
         n_max = min(room, len(tree) - 1) + 1
         cost = self.cost.table(n_max, self.backend.n_past)
-        return choose(tree, q, cost, self.config.max_branches, q_mean)
+        dc = self.depth_calibration.setdefault((mode, greedy), DepthCalibration())
+        return choose(tree, q, cost, self.config.max_branches, q_mean, dc.scale())
 
     def _learn(self, tree, ev, path: list[int], mode: str, greedy: bool) -> None:
         """Every verified node whose parent was accepted is one outcome for calibration."""

@@ -190,3 +190,26 @@ def test_calibration_is_deterministic(tmp_path, monkeypatch):
     assert r1["layer"] in (2, 4, 8) and set(r1["scores"]["layer"]) == {"2", "4", "8"}
     from srsd_local.calibrate import load_calibration
     assert load_calibration(model) == {k: r1[k] for k in ("layer", "top_k", "draft_depth")}
+
+
+def test_depth_calibration_corrects_systematic_underprediction():
+    from srsd_local.controller import DepthCalibration
+
+    dc = DepthCalibration(depths=5)
+    tree = _chain_tree(4)
+    q = [1.0] + [0.6] * 4  # the node model says 0.6, 0.36, 0.22, 0.13 ...
+    for _ in range(300):  # ... but every tree is accepted to the end
+        plan = choose(tree, q, CostModel([1, 64], [0.001, 0.0011]).table(10), 4,
+                      depth_scale=dc.scale())
+        dc.update(plan.raw_probs[1:], plan.tree.depths[1:], accepted_depth=4)
+    plan = choose(tree, q, CostModel([1, 64], [0.001, 0.0011]).table(10), 4,
+                  depth_scale=dc.scale())
+    assert plan.probs[1] > 0.95 and plan.probs[4] > 0.9
+    # never more likely than the parent
+    assert all(plan.probs[i] <= plan.probs[plan.tree.parents[i]] for i in range(1, 5))
+    # and the other way: a depth that keeps failing is scaled down
+    for _ in range(300):
+        plan = choose(tree, q, CostModel([1, 64], [0.001, 0.0011]).table(10), 4,
+                      depth_scale=dc.scale())
+        dc.update(plan.raw_probs[1:], plan.tree.depths[1:], accepted_depth=0)
+    assert dc.scale()[1] < 0.5
