@@ -213,9 +213,6 @@ class Backend:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
 
-    def text_stream(self) -> TextStream:
-        return TextStream(self.piece)
-
     # -- decoding -------------------------------------------------------------------------
     def decode(self, tokens: Sequence[int], positions: Sequence[int] | None = None,
                seq_ids: Sequence[Sequence[int]] | None = None,

@@ -133,7 +133,3 @@ class TokenTree:
             seq_ids=seq_ids,
             leaf_branch=leaf_branch,
         )
-
-    def branch_through(self, layout: TreeLayout, node: int) -> int:
-        """A branch id whose path passes through `node`."""
-        return layout.seq_ids[node][0]

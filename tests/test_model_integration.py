@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from text_data import MAX_TIE_GAP, assert_same_up_to_ties, edit_prompt
 
-from srsd_local.backend import Backend, ContextFullError
+from srsd_local.backend import Backend, ContextFullError, TextStream
 from srsd_local.capture import resolve_layer
 from srsd_local.config import SRSDConfig
 from srsd_local.controller import CostModel
@@ -31,7 +31,7 @@ def test_tokenize_detokenize_round_trip(backend):
 def test_incremental_detokenizer_never_splits_utf8(backend):
     text = "emoji 🦙🦙 and 世界"
     ids = backend.tokenize(text, add_bos=False)
-    stream = backend.text_stream()
+    stream = TextStream(backend.piece)
     chunks = [stream.push(t) for t in ids] + [stream.flush()]
     assert "".join(chunks) == text
     assert all("\ufffd" not in c for c in chunks)
