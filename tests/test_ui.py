@@ -110,3 +110,20 @@ def test_screenshots_are_real(ui_url, tmp_path):
         a = np.asarray(img).astype(np.int16)
         assert a.std() > 10, f"{tab} screenshot is blank"
         assert len(np.unique(a.reshape(-1, 3), axis=0)) > 50
+
+
+def test_cancelling_a_chat_stops_the_generation(gclient):
+    import time as _time
+
+    job = gclient.submit("Tell me a very long story about a dragon.", [], "", "srsd", 0.9,
+                         2048, api_name="/chat")
+    deadline = _time.time() + 60
+    while not job.outputs() and _time.time() < deadline:
+        _time.sleep(0.1)
+    assert job.outputs(), "the chat did not start streaming"
+    job.cancel()
+    t0 = _time.time()
+    out = gclient.predict("Hi", [], "", "ar", 0.0, 5, api_name="/chat")
+    assert out[0][-1]["role"] == "assistant"
+    # 2048 tokens take ~20 s here: the cancelled generation did not run to the end
+    assert _time.time() - t0 < 10
