@@ -57,6 +57,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
     cfg = _engine_config(args)
     cfg.setdefault("n_ctx", 4096)
+    if args.no_controller:
+        cfg.update(adaptive=False, max_nodes=16, max_branches=4)
     return main_bench(args, lambda: Engine.load(args.model, learned=False, **cfg))
 
 
@@ -95,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--doc", default=None,
                    help="rewrite this markdown file's section for --label (docs/benchmarks.md)")
     b.add_argument("--label", default="CPU", help="section name in --doc")
+    b.add_argument("--no-controller", action="store_true",
+                   help="ablation: verify fixed trees (16 nodes, 4 branches) every step "
+                        "instead of letting the cost/acceptance controller choose")
     b.set_defaults(func=_cmd_bench)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (and the UI under /ui)")
     _add_model_args(s)
