@@ -366,8 +366,8 @@ def calibration_table(summary: dict[str, Any], mode: str = "srsd", depths: int =
     rows = []
     for cat, block in list(summary["categories"].items()) + [("overall", summary["modes"])]:
         a = block.get(mode)
-        if not a or not a["accepted_rate_per_depth"]:
-            continue
+        if not a or not a["accepted_rate_per_depth"] or not any(a["predicted_rate_per_depth"]):
+            continue  # no forecasts (plain decoding, or the controller was off)
         cells = []
         for d in range(depths):
             pr = a["predicted_rate_per_depth"][d] if d < len(a["predicted_rate_per_depth"]) \
@@ -375,7 +375,7 @@ def calibration_table(summary: dict[str, Any], mode: str = "srsd", depths: int =
             ac = a["accepted_rate_per_depth"][d] if d < len(a["accepted_rate_per_depth"]) else 0.0
             cells.append(f"{pr:.0%} / {ac:.0%}")
         rows.append(f"| {cat} | " + " | ".join(cells) + " |")
-    return head + "\n" + "\n".join(rows)
+    return head + "\n" + "\n".join(rows) if rows else ""
 
 
 def main_bench(args, engine_factory: Callable[..., Any]) -> int:
