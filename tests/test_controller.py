@@ -213,3 +213,27 @@ def test_depth_calibration_corrects_systematic_underprediction():
                       depth_scale=dc.scale())
         dc.update(plan.raw_probs[1:], plan.tree.depths[1:], accepted_depth=0)
     assert dc.scale()[1] < 0.5
+
+
+def test_shipped_calibration_applies_only_to_the_default_model_file(tmp_path, monkeypatch):
+    import json
+    from importlib import resources
+
+    from srsd_local.calibrate import load_calibration, load_calibration_file
+
+    monkeypatch.setenv("SRSD_CACHE_DIR", str(tmp_path / "cache"))
+    shipped = json.loads(resources.files("srsd_local").joinpath(
+        "data", "default_calibration.json").read_text())
+    assert shipped["layer"] == 4 and shipped["acceptance"]
+    same = tmp_path / shipped["model"]
+    with same.open("wb") as f:
+        f.truncate(shipped["model_size"])  # sparse: same name and size as the default model
+    assert load_calibration(same) == {k: shipped[k] for k in ("layer", "top_k", "draft_depth")}
+    assert load_calibration_file(same)["acceptance"]
+    other = tmp_path / "other.gguf"
+    with other.open("wb") as f:
+        f.truncate(shipped["model_size"])
+    assert load_calibration(other) is None
+    with same.open("r+b") as f:
+        f.truncate(1000)
+    assert load_calibration(same) is None
