@@ -347,7 +347,7 @@ def usage(stats) -> dict[str, int]:
             "total_tokens": stats.prompt_tokens + stats.tokens}
 
 
-async def _never() -> bool:
+async def never_disconnected() -> bool:
     return False
 
 
@@ -459,7 +459,7 @@ def create_app(service: Service, ui: bool = False):
 
         # errors found before the first event are still plain JSON errors; once streaming,
         # a client that goes away cancels this task (sse-starlette watches the connection)
-        agen = service.events(req, _never)
+        agen = service.events(req, never_disconnected)
         try:
             first_ev = await agen.__anext__()
         except StopAsyncIteration:

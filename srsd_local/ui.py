@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from .config import MODES
-from .server import APIError, GenRequest, Service, _never
+from .server import APIError, GenRequest, Service, never_disconnected
 
 DRAFT_LABEL = "from an accepted draft"
 CSS = ".srsd-stats {font-family: monospace}"
@@ -74,7 +74,7 @@ class UIState:
             raise gr.Error(self.status().replace("**", ""))
         text, pieces = "", []
         try:
-            async for ev in self.service.events(req, _never):
+            async for ev in self.service.events(req, never_disconnected):
                 text += ev.text
                 for tok, drafted in zip(ev.token_ids, ev.drafted):
                     pieces.append((self.piece(tok), DRAFT_LABEL if drafted else None))
