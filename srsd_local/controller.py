@@ -154,13 +154,14 @@ class AcceptanceModel:
             self.counts[tuple(key)] = [a, n]
 
 
-def evidence(tree: TokenTree) -> list[NodeEvidence | None]:
+def evidence(tree: TokenTree, recent: float = 0.5) -> list[NodeEvidence | None]:
+    """Per node (None for the root): the features the acceptance model is keyed by."""
     root_count = max(tree.counts[0], 1)
     out: list[NodeEvidence | None] = [None]
     for i in range(1, len(tree)):
         c = max(tree.counts[i], 1)
         out.append(NodeEvidence(tree.depths[i], tree.counts[i] / root_count,
-                                tree.weights[i] / c, root_count, tree.agree[i]))
+                                tree.weights[i] / c, root_count, tree.agree[i], recent))
     return out
 
 
@@ -227,14 +228,16 @@ class DepthCalibration:
 
 def choose(tree: TokenTree, q: Sequence[float], cost: np.ndarray, max_branches: int,
            q_report: Sequence[float] | None = None,
-           depth_scale: Sequence[float] | None = None) -> Plan:
+           depth_scale: Sequence[float] | None = None,
+           ev: Sequence[NodeEvidence | None] | None = None) -> Plan:
     """Best sub-tree by expected tokens per second.
 
     q[i] is node i's conditional acceptance; p[i] = p[parent] * q[i]. The best sub-tree of k
     nodes holds the k most probable nodes (p never grows down a path, so they are
     connected); k = 0 is a plain step. cost[n] is t(n) for n = 1..len(cost)-1. The plan
     reports probabilities from `q_report` (default: q), both with `depth_scale`, and the
-    uncorrected ones (`raw_probs`) for the depth calibration.
+    uncorrected ones (`raw_probs`) for the depth calibration; `ev` is the candidate tree's
+    evidence (computed here when not given), carried over to the chosen nodes.
     """
     n_nodes = len(tree)
     p = _path_probs(tree, q, depth_scale)
@@ -249,12 +252,11 @@ def choose(tree: TokenTree, q: Sequence[float], cost: np.ndarray, max_branches: 
         rate = (1.0 + cum) / cost[k + 1]
         if rate > best_rate:
             best_k, best_rate = k, rate
-    keep = set(order[:best_k])
     out = TokenTree(tree.tokens[0])
     out.weights[0], out.counts[0] = tree.weights[0], tree.counts[0]
     new_of = {0: 0}
     probs, raw, leaves = [1.0], [1.0], 1
-    for node in sorted(keep, key=lambda i: (-p[i], tree.depths[i], i)):
+    for node in order[:best_k]:  # parents come before their children in this order
         parent = tree.parents[node]
         if parent not in new_of:
             continue  # its parent was dropped for the branch limit
@@ -268,10 +270,10 @@ def choose(tree: TokenTree, q: Sequence[float], cost: np.ndarray, max_branches: 
         new_of[node] = new
         probs.append(float(p_rep[node]))
         raw.append(float(p_raw[node]))
-    ev_all = evidence(tree)
+    ev_all = evidence(tree) if ev is None else ev
     old_of = {v: k for k, v in new_of.items()}
-    ev = [ev_all[old_of[i]] for i in range(len(out))]
-    return Plan(out, probs, ev, float(sum(probs) - 1.0), raw)
+    return Plan(out, probs, [ev_all[old_of[i]] for i in range(len(out))],
+                float(sum(probs) - 1.0), raw)
 
 
 def load_json(path: Path) -> dict | None:

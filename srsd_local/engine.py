@@ -400,9 +400,7 @@ class Engine:
                         plan.raw_probs[1:], tree.depths[1:], len(path) - 1)
                     ev = plan.evidence
                 else:
-                    ev = evidence(tree)
-                    for e in ev[1:]:
-                        e.recent = recent
+                    ev = evidence(tree, recent)
                 self._learn(tree, ev, path, mode, params.greedy)
                 recent += _RECENT_RATE * (float(len(path) > 1) - recent)
             tc = time.perf_counter()
@@ -427,16 +425,14 @@ class Engine:
 
     # -- the controller -----------------------------------------------------------------------
     def _plan(self, tree, mode: str, greedy: bool, room: int, recent: float):
-        ev = evidence(tree)
-        for e in ev[1:]:
-            e.recent = recent
+        ev = evidence(tree, recent)
         acc = self.acceptance
         q = [1.0] + [acc.q_explore(e, mode, greedy) for e in ev[1:]]
         q_mean = [1.0] + [acc.q(e, mode, greedy) for e in ev[1:]]
         n_max = min(room, len(tree) - 1) + 1
         cost = self.cost.table(n_max, self.backend.n_past)
         dc = self.depth_calibration.setdefault((mode, greedy), DepthCalibration())
-        return choose(tree, q, cost, self.config.max_branches, q_mean, dc.scale())
+        return choose(tree, q, cost, self.config.max_branches, q_mean, dc.scale(), ev)
 
     def _learn(self, tree, ev, path: list[int], mode: str, greedy: bool) -> None:
         """Every verified node whose parent was accepted is one outcome for calibration."""
