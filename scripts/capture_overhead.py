@@ -13,9 +13,9 @@ import time
 
 import numpy as np
 
-from srsd_local.backend import Backend
+from srsd_local.llama.backend import Backend
 from srsd_local.config import SRSDConfig
-from srsd_local.models import resolve_model
+from srsd_local.llama.models import resolve_model
 
 
 def decode_rate(be: Backend, prompt: list[int], n: int) -> float:

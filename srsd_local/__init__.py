@@ -2,7 +2,7 @@
 
 from .config import SamplingParams, SRSDConfig
 from .engine import Engine, GenerationResult, GenerationStats, StreamEvent
-from .models import ModelError, resolve_model
+from .llama.models import ModelError, resolve_model
 
 __all__ = ["Engine", "GenerationResult", "GenerationStats", "ModelError", "SRSDConfig",
            "SamplingParams", "StreamEvent", "resolve_model"]

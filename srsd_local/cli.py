@@ -52,7 +52,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import main_bench  # noqa: PLC0415
+    from .bench.runner import main_bench  # noqa: PLC0415
     from .engine import Engine  # noqa: PLC0415
 
     cfg = _engine_config(args)
@@ -84,11 +84,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="side-by-side speed of every mode on a workload")
     b.add_argument("--workload", default="code_edit",
-                   help="code_edit, text_edit, humaneval, code_continue, open, all, or a "
-                        ".jsonl file ({id, category, prompt, max_tokens[, temperature, seed]})")
-    b.add_argument("--modes", default="ar,pld,srsd,hybrid,lcp-pld",
-                   help="comma-separated: ar, pld, srsd, hybrid, lcp-pld (llama-cpp-python's "
-                        "prompt lookup, the external peer)")
+                   help="code_edit, text_edit, humaneval, code_continue, open, all (those five), "
+                        "calibration, or a .jsonl file "
+                        "({id, category, prompt, max_tokens[, temperature, seed]})")
+    b.add_argument("--modes", default="ar,pld,srsd,hybrid,lcp-pld,llama-server,"
+                   "llama-server-spec,llama-server-ngram-simple",
+                   help="comma-separated: ar, pld, srsd, hybrid; peers: lcp-pld "
+                        "(llama-cpp-python's prompt lookup), llama-server (plain), "
+                        "llama-server-spec (--spec-default), llama-server-ngram-simple "
+                        "(--spec-type ngram-simple); llama-server modes are skipped when the "
+                        "binary is missing (scripts/build_llama_server.sh builds it)")
+    b.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="llama-server binary (default: the one scripts/build_llama_server.sh "
+                        "cached for the installed llama-cpp-python)")
     _add_model_args(b)
     b.add_argument("--max-prompts", type=int, default=None, help="at most N prompts a category")
     b.add_argument("--repeats", type=int, default=1)
@@ -116,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("calibrate", help="measure the best retrieval layer (and top-k, depth) "
                        "for a model and store it")
     _add_model_args(c)
-    c.add_argument("--workload", default="code_edit")
+    c.add_argument("--workload", default="calibration",
+                   help="calibration (prompts never benchmarked), a benchmark workload, or a "
+                        ".jsonl file")
     c.add_argument("--max-prompts", type=int, default=4)
     c.add_argument("--max-tokens", type=int, default=64)
     c.add_argument("--layers", default=None, help="comma-separated layer indices to try")
@@ -131,10 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from .bench import load_workload  # noqa: PLC0415
-    from .calibrate import calibrate  # noqa: PLC0415
+    from .bench.workloads import load_workload  # noqa: PLC0415
     from .engine import Engine  # noqa: PLC0415
-    from .models import resolve_model  # noqa: PLC0415
+    from .engine.calibrate import calibrate  # noqa: PLC0415
+    from .llama.models import resolve_model  # noqa: PLC0415
 
     path = str(resolve_model(args.model))
     prompts = load_workload(args.workload)[: args.max_prompts]
@@ -148,7 +158,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _cmd_ui(args: argparse.Namespace) -> int:
-    from .ui import run_ui  # noqa: PLC0415
+    from .app.main import run_ui  # noqa: PLC0415
 
     return run_ui(args, _loader(args))
 
@@ -161,7 +171,7 @@ def _loader(args: argparse.Namespace):
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from .server import serve  # noqa: PLC0415
+    from .app.main import serve  # noqa: PLC0415
 
     return serve(args, _loader(args))
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
-MODES = ("ar", "pld", "srsd", "hybrid")
+MODES = ("ar", "pld", "ngram", "retrieval", "srsd", "hybrid")
 INDEX_BACKENDS = ("auto", "faiss-gpu", "faiss-cpu", "numpy")
 
 
@@ -29,6 +30,37 @@ def _int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
 def _float(name: str, value: Any, lo: float, hi: float) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value <= hi
     _check(ok, name, value, f"a number in [{lo}, {hi}]")
+
+
+@dataclass(frozen=True)
+class Environment:
+    """The environment variables the runtime reads (read here only, at call time):
+
+    - SRSD_CACHE_DIR: measured profiles, calibrations, the compiled capture callback
+      (default: $XDG_CACHE_HOME/srsd-local or ~/.cache/srsd-local)
+    - SRSD_MODELS_DIR: where the default model is assembled (default: models/ of a source
+      checkout, else <cache>/models)
+    - SRSD_VERBOSE: non-empty shows llama.cpp's log
+    - SRSD_CAPTURE: "python" forces the Python eval callback instead of the compiled one
+    - CC: the C compiler for the compiled callback (else cc, gcc or clang)
+    """
+
+    cache_dir: Path
+    models_dir: Path | None
+    verbose: bool
+    capture: str
+    cc: str | None
+
+
+def environment() -> Environment:
+    env = os.environ
+    xdg = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    cache = Path(env["SRSD_CACHE_DIR"]).expanduser() if env.get("SRSD_CACHE_DIR") else \
+        xdg / "srsd-local"
+    models = Path(env["SRSD_MODELS_DIR"]).expanduser() if env.get("SRSD_MODELS_DIR") else None
+    return Environment(cache_dir=cache, models_dir=models, verbose=bool(env.get("SRSD_VERBOSE")),
+                       capture="python" if env.get("SRSD_CAPTURE", "").lower() == "python"
+                       else "c", cc=env.get("CC") or None)
 
 
 def default_threads() -> int:

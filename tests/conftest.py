@@ -1,20 +1,31 @@
-"""Shared fixtures: the real default model, loaded once per test session."""
+"""Shared fixtures: the real default model, loaded once per test session.
+
+Tests never read or write the user's cache: SRSD_CACHE_DIR points at a temporary folder for
+the whole session (servers started as subprocesses inherit it)."""
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 
-from srsd_local.config import SRSDConfig
+_CACHE = tempfile.mkdtemp(prefix="srsd-test-cache-")
+os.environ["SRSD_CACHE_DIR"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, True)
+
+from srsd_local.config import SRSDConfig  # noqa: E402  (after SRSD_CACHE_DIR is set)
 
 
 @pytest.fixture(scope="session")
 def model_path():
-    from srsd_local.models import resolve_model
+    from srsd_local.llama.models import resolve_model
 
     return resolve_model("default")
 
@@ -30,7 +41,7 @@ def engine(model_path):
 
 @pytest.fixture(scope="session")
 def backend(model_path):
-    from srsd_local.backend import Backend
+    from srsd_local.llama.backend import Backend
 
     be = Backend(model_path, SRSDConfig(n_ctx=1024, n_batch=256, n_ubatch=256),
                  capture_layer=4)

@@ -9,11 +9,12 @@ last tokens, so semantic retrieval finds the positions that copying would use.
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
 
-from srsd_local.backend import ContextFullError, DecodeOutput
+from srsd_local.llama.backend import ContextFullError, DecodeOutput
 
 VOCAB = 64
 EOS = 1
@@ -24,7 +25,8 @@ N_EMBD = 16
 class FakeBackend:
     name = "fake"
 
-    def __init__(self, n_ctx: int = 512, noise: float = 0.5, margin: float = 4.0) -> None:
+    def __init__(self, n_ctx: int = 512, noise: float = 0.5, margin: float = 4.0,
+                 step_cost=None) -> None:
         self.n_ctx = n_ctx
         self.n_vocab = VOCAB
         self.n_embd = N_EMBD
@@ -32,6 +34,9 @@ class FakeBackend:
         self.capture = SimpleNamespace(enabled=True)
         self.seqs: dict[int, list[int]] = {0: []}
         self.decode_calls: list[int] = []
+        self.decode_seconds = 0.0
+        self.step_cost = step_cost  # n tokens -> seconds a decode takes (slept), if given
+        self.n_layer = 4
         self.noise, self.margin = noise, margin
         self._emb = np.random.default_rng(0).normal(size=(VOCAB * VOCAB, N_EMBD))
 
@@ -93,6 +98,8 @@ class FakeBackend:
         else:
             flags = [bool(f) for f in want_logits]
         self.decode_calls.append(n)
+        if self.step_cost is not None:
+            time.sleep(self.step_cost(n))
         logits, hidden = [], []
         for tok, p, sids in zip(tokens, pos, ids):
             for s in sids:

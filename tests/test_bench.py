@@ -1,24 +1,67 @@
-"""The benchmark harness: workload parsing, aggregation, outputs; and one real run."""
+"""The benchmark harness: workloads, aggregation through GenerationStats.merge, the llama-server
+peer (response parsing, command line, lifecycle against a stand-in binary, missing binary), the
+runner on a fake engine, outputs; and real runs on the default model."""
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 import subprocess
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from srsd_local.bench import (
-    BUILTIN_WORKLOADS,
-    RunRecord,
-    load_workload,
-    parse_modes,
-    summarise,
-    table,
-    write_doc,
+from srsd_local.bench import peers as peers_mod
+from srsd_local.bench.peers import (
+    SERVER_MODES,
+    LlamaServerPeer,
+    PeerResult,
+    PeerSettings,
+    completion_request,
+    display_command,
+    parse_completion,
+    server_command,
+    start_peers,
 )
+from srsd_local.bench.report import RunRecord, aggregate, summarise, table, write_doc
+from srsd_local.bench.runner import main_bench, parse_modes, run_bench
+from srsd_local.bench.workloads import (
+    BUILTIN_WORKLOADS,
+    BenchPrompt,
+    first_per_category,
+    load_workload,
+)
+from srsd_local.config import SRSDConfig
+from srsd_local.engine import GenerationResult, GenerationStats
+
+# A /completion response of llama-server (the llama.cpp vendored in llama-cpp-python 0.3.36,
+# built by scripts/build_llama_server.sh, `--spec-default`, the default model, the first
+# code_edit prompt with n_predict 40, greedy, on a busy 2-core machine), recorded with the
+# request of `completion_request`; `generation_settings` and the echoed `prompt` left out.
+RECORDED_COMPLETION = {
+    "index": 0,
+    "content": "def dedent(text):\n    \"\"\"Remove any common leading whitespace from every "
+               "line in `text`.\n\n    This can be used to make triple-quoted strings line up "
+               "with the left\n    ",
+    "tokens": [2063, 5687, 533, 236769, 1005, 1473, 107, 140, 12234, 21848, 1027, 3364, 5830,
+               118364, 699, 1418, 1757, 528, 2165, 1005, 21233, 108, 140, 2094, 740, 577, 1456,
+               531, 1386, 22178, 236772, 148758, 16587, 1757, 872, 607, 506, 2378, 107, 140],
+    "id_slot": 0, "stop": True, "model": "models/gemma-3-270m-q4_k_m.gguf",
+    "tokens_predicted": 40, "tokens_evaluated": 463, "has_new_line": True, "truncated": False,
+    "stop_type": "limit", "stopping_word": "", "tokens_cached": 502,
+    "timings": {"cache_n": 0, "prompt_n": 463, "prompt_ms": 2076.394,
+                "prompt_per_token_ms": 4.484652267818574, "prompt_per_second": 222.9827287114103,
+                "predicted_n": 40, "predicted_ms": 2448.094,
+                "predicted_per_token_ms": 62.771641025641024,
+                "predicted_per_second": 15.930760828628312, "draft_n": 19,
+                "draft_n_accepted": 19},
+}
 
 
+# -- workloads ---------------------------------------------------------------------------------
 def test_builtin_workloads_load_with_provenance_fields():
     for name in BUILTIN_WORKLOADS:
         prompts = load_workload(name)
@@ -28,13 +71,25 @@ def test_builtin_workloads_load_with_provenance_fields():
     assert len(load_workload("all")) == 40
 
 
+def test_calibration_is_a_named_workload_but_never_part_of_all():
+    calib = load_workload("calibration")
+    assert len(calib) == 16 and all(p.id.startswith("calib-") for p in calib)
+    assert {p.category for p in calib} == set(BUILTIN_WORKLOADS)
+    everything = load_workload("all")
+    assert not {p.id for p in calib} & {p.id for p in everything}
+    assert not {p.prompt for p in calib} & {p.prompt for p in everything}
+
+
 @pytest.mark.parametrize("line,msg", [
     ("{not json", "line 2: not valid JSON"),
     ('{"id": "a", "category": "c", "prompt": "p"}', "line 2: missing 'max_tokens'"),
-    ('{"id": "a", "category": "c", "prompt": "p", "max_tokens": "9"}', "must be a int"),
+    ('{"id": "a", "category": "c", "prompt": "p", "max_tokens": "9"}', "must be an integer"),
+    ('{"id": 7, "category": "c", "prompt": "p", "max_tokens": 9}', "'id' must be a string"),
+    ('{"id": "a", "category": "c", "prompt": "p", "max_tokens": true}', "must be an integer"),
     ('{"id": "a", "category": "c", "prompt": "p", "max_tokens": 0}', ">= 1"),
     ('{"id": "a", "category": "c", "prompt": "p", "max_tokens": 9, "temperature": -1}',
      "temperature"),
+    ('{"id": "a", "category": "c", "prompt": "p", "max_tokens": 9, "seed": -3}', "seed"),
     ("[1, 2]", "expected an object"),
 ])
 def test_bad_workload_lines_name_the_line(tmp_path, line, msg):
@@ -42,36 +97,120 @@ def test_bad_workload_lines_name_the_line(tmp_path, line, msg):
     f.write_text('{"id": "ok", "category": "c", "prompt": "p", "max_tokens": 4}\n' + line + "\n")
     with pytest.raises(ValueError, match=msg):
         load_workload(str(f))
-    with pytest.raises(ValueError, match="accepted are"):
+
+
+def test_unknown_and_empty_workloads_say_what_is_accepted(tmp_path):
+    with pytest.raises(ValueError, match="accepted are .*calibration, all"):
         load_workload("no_such_workload")
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("\n  \n")
+    with pytest.raises(ValueError, match="no prompts"):
+        load_workload(str(empty))
+
+
+def test_a_jsonl_file_parses_with_defaults(tmp_path):
+    f = tmp_path / "w.jsonl"
+    f.write_text('{"id": "a", "category": "c", "prompt": "p", "max_tokens": 4}\n\n'
+                 '{"id": "b", "category": "c", "prompt": "q", "max_tokens": 5, '
+                 '"temperature": 1, "seed": 3}\n')
+    a, b = load_workload(str(f))
+    assert a == BenchPrompt("a", "c", "p", 4, 0.0, None)
+    assert b.temperature == 1.0 and isinstance(b.temperature, float) and b.seed == 3
+
+
+def test_first_per_category_keeps_file_order():
+    ps = [BenchPrompt(f"{c}{i}", c, "x", 1) for c in "ab" for i in range(3)]
+    assert [p.id for p in first_per_category(ps, 2)] == ["a0", "a1", "b0", "b1"]
+    assert first_per_category(ps, None) == ps
 
 
 def test_parse_modes():
     assert parse_modes("srsd,pld") == ["ar", "srsd", "pld"]
     assert parse_modes("ar,lcp-pld") == ["ar", "lcp-pld"]
+    assert parse_modes("llama-server-spec, srsd,srsd") == ["ar", "llama-server-spec", "srsd"]
     with pytest.raises(ValueError, match="accepted are"):
         parse_modes("srsd,warp")
 
 
-def _rec(cat, mode, tokens, seconds, steps, same=None, acc=(), pred=()):
-    return RunRecord("p", cat, mode, 0, tokens, seconds, steps, draft_tokens=10,
-                     accepted_tokens=sum(acc), accepted_per_depth=list(acc),
-                     predicted_per_depth=list(pred), drafts=len(acc) and 5,
-                     identical_to_ar=same)
+# -- aggregation -------------------------------------------------------------------------------
+def _stats(mode: str, tokens: int, seconds: float, steps: list[tuple[int, int, int]],
+           host: float = 0.001) -> GenerationStats:
+    """Stats built the engine's way: one observe_step per (decoded, drafted, accepted)."""
+    s = GenerationStats(mode=mode, tokens=tokens, seconds=seconds)
+    for decoded, drafted, accepted in steps:
+        s.observe_step(decoded, accepted, drafted=drafted, forecast=[0.5] * drafted,
+                       forecast_depths=list(range(1, drafted + 1)), verify=seconds / 10,
+                       host=host * (2 if drafted else 1))
+    return s
 
 
-def test_summary_uses_ratios_of_totals():
-    recs = [_rec("a", "ar", 100, 1.0, 100), _rec("a", "srsd", 100, 0.5, 40, True, (4, 2), (4, 3)),
-            _rec("b", "ar", 100, 3.0, 100), _rec("b", "srsd", 100, 1.0, 50, False)]
-    s = summarise(recs, ["ar", "srsd"])
-    assert s["modes"]["srsd"]["speedup_vs_ar"] == pytest.approx((200 / 1.5) / (200 / 4.0))
+def _rec(cat: str, mode: str, stats: GenerationStats, same: bool | None = None,
+         peer: bool = False) -> RunRecord:
+    return RunRecord("p", cat, mode, 0, stats, [], same, peer)
+
+
+def _records() -> list[RunRecord]:
+    return [
+        _rec("a", "ar", _stats("ar", 100, 1.0, [(1, 0, 0)] * 100)),
+        _rec("a", "srsd", _stats("srsd", 100, 0.5, [(1, 0, 0)] * 20 + [(5, 4, 4)] * 20), True),
+        _rec("b", "ar", _stats("ar", 100, 3.0, [(1, 0, 0)] * 100)),
+        _rec("b", "srsd", _stats("srsd", 100, 1.0, [(1, 0, 0)] * 40 + [(3, 2, 1)] * 30), False),
+        _rec("a", "llama-server-spec", PeerResult(100, 0.8, None, 40, 30).to_stats(
+            "llama-server-spec"), peer=True),
+        _rec("b", "llama-server-spec", PeerResult(100, 2.0, None, 10, 5).to_stats(
+            "llama-server-spec"), peer=True),
+    ]
+
+
+def test_aggregate_totals_are_generation_stats_merge(monkeypatch):
+    merged: list[str] = []
+    original = GenerationStats.merge
+
+    def spy(self, other):
+        merged.append(other.mode)
+        return original(self, other)
+
+    monkeypatch.setattr(GenerationStats, "merge", spy)
+    recs = [r for r in _records() if r.mode == "srsd"]
+    a = aggregate(recs, "srsd")
+    assert merged == ["srsd", "srsd"]  # one merge per run, nothing summed by hand
+    monkeypatch.setattr(GenerationStats, "merge", original)
+    total = GenerationStats.total([r.stats for r in recs], mode="srsd")
+    assert (a["tokens"], a["seconds"], a["steps"]) == (total.tokens, total.seconds, total.steps)
+    assert a["acceptance_rate"] == pytest.approx(total.acceptance_rate) == pytest.approx(
+        (80 + 30) / (80 + 60))
+    assert a["mean_accepted_length"] == pytest.approx(200 / 110)
+    assert a["host_ms_plain"] == pytest.approx(1.0) and a["host_ms_tree"] == pytest.approx(2.0)
+    assert a["accepted_per_depth"] == total.accepted_per_depth == [50, 20, 20, 20]
+    assert a["accepted_rate_per_depth"] == pytest.approx([1.0, 0.4, 0.4, 0.4])
+    assert a["predicted_rate_per_depth"] == pytest.approx([0.5, 0.5, 0.2, 0.2])
+    assert a["identical_to_ar"] == (1, 2)
+
+
+def test_summary_uses_ratios_of_totals_and_the_spec_peer_column():
+    s = summarise(_records(), ["ar", "srsd", "llama-server-spec"])
+    o = s["modes"]
+    assert o["srsd"]["speedup_vs_ar"] == pytest.approx((200 / 1.5) / (200 / 4.0))
     assert s["categories"]["a"]["srsd"]["speedup_vs_ar"] == pytest.approx(2.0)
-    assert s["modes"]["srsd"]["identical_to_ar"] == (1, 2)
-    assert s["modes"]["srsd"]["mean_accepted_length"] == pytest.approx(200 / 90)
-    assert s["categories"]["a"]["srsd"]["accepted_rate_per_depth"] == [0.8, 0.4]
-    assert s["categories"]["a"]["srsd"]["predicted_rate_per_depth"] == [0.8, 0.6]
-    t = table(s, ["ar", "srsd"])
-    assert "| overall | srsd |" in t and "1/2" in t
+    assert o["srsd"]["speedup_vs_llama_server_spec"] == pytest.approx((200 / 1.5) / (200 / 2.8))
+    assert o["llama-server-spec"]["speedup_vs_llama_server_spec"] == pytest.approx(1.0)
+    peer = o["llama-server-spec"]
+    assert peer["peer"] and peer["acceptance_rate"] == pytest.approx(35 / 50)
+    assert peer["mean_accepted_length"] is None and peer["host_ms_plain"] is None
+    assert peer["share_verify"] is None and o["ar"]["acceptance_rate"] is None
+    assert len(s["prompts"]) == 6 and s["prompts"][0]["stats"]["tokens"] == 100
+    json.dumps(s)  # the --json output
+
+
+def test_table_columns_follow_the_modes_that_ran():
+    modes = ["ar", "srsd", "llama-server-spec"]
+    t = table(summarise(_records(), modes), modes)
+    head = t.splitlines()[0]
+    assert "speedup vs llama-server-spec" in head and "host ms / tree" in head
+    assert "| overall | srsd | 133.3 | 2.67x | 1.87x | 1.82 | 79% | 1.000 | 2.000 | 1/2 |" in t
+    assert "| overall | llama-server-spec | 71.4 | 1.43x | 1.00x | - | 70% | - | - | - |" in t
+    plain = table(summarise(_records()[:4], ["ar", "srsd"]), ["ar", "srsd"])
+    assert "llama-server-spec" not in plain and "| a | ar | 100.0 | 1.00x |" in plain
 
 
 def test_write_doc_replaces_only_its_section(tmp_path):
@@ -85,25 +224,323 @@ def test_write_doc_replaces_only_its_section(tmp_path):
     assert "table one" not in text and text.count("<!-- bench:CPU -->") == 1
 
 
-@pytest.mark.model
-def test_real_bench_run_writes_table_json_plot_and_doc(tmp_path):
+# -- llama-server peer -------------------------------------------------------------------------
+def test_parse_completion_reads_timings_and_tokens():
+    r = parse_completion(RECORDED_COMPLETION)
+    assert (r.tokens, r.draft_n, r.draft_n_accepted, r.prompt_tokens) == (40, 19, 19, 463)
+    assert r.seconds == pytest.approx(2.448094) and r.prompt_seconds == pytest.approx(2.076394)
+    assert r.token_ids == RECORDED_COMPLETION["tokens"]
+    s = r.to_stats("llama-server-spec")
+    assert (s.tokens, s.draft_tokens, s.accepted_tokens, s.steps) == (40, 19, 19, 0)
+    assert s.acceptance_rate == 1.0 and s.tokens_per_second == pytest.approx(40 / 2.448094)
+
+
+def test_parse_completion_drops_the_end_token_and_odd_token_lists():
+    eos = {**RECORDED_COMPLETION, "stop_type": "eos"}
+    r = parse_completion(eos)
+    assert r.tokens == 39 and r.token_ids == RECORDED_COMPLETION["tokens"][:-1]
+    plain = {**RECORDED_COMPLETION, "tokens": [],
+             "timings": {"predicted_n": 40, "predicted_ms": 100.0}}
+    r = parse_completion(plain)  # no tokens returned, no drafting
+    assert r.token_ids is None and (r.draft_n, r.draft_n_accepted) == (0, 0)
+    with pytest.raises(ValueError, match="predicted_n"):
+        parse_completion({"content": "x", "timings": {"predicted_ms": 1.0}})
+
+
+def test_completion_request_is_raw_uncached_and_returns_tokens():
+    body = completion_request(BenchPrompt("i", "c", "<start_of_turn>x", 7, 0.8, 11))
+    assert body["prompt"] == "<start_of_turn>x" and body["n_predict"] == 7
+    assert body["cache_prompt"] is False and body["return_tokens"] is True
+    assert (body["temperature"], body["seed"], body["top_k"], body["top_p"]) == (0.8, 11, 0, 1.0)
+    assert "seed" not in completion_request(BenchPrompt("i", "c", "x", 7))
+
+
+def test_server_command_mirrors_the_engine():
+    s = PeerSettings("/m/model.gguf", 4096, 3, -1, 512, 256)
+    cmd = server_command("/bin/llama-server", "llama-server-spec", s, 8123)
+    flat = " ".join(cmd)
+    for part in ("--model /m/model.gguf", "--threads 3", "--threads-batch 3", "--ctx-size 4096",
+                 "--ubatch-size 256", "--n-gpu-layers all", "--parallel 1", "--port 8123"):
+        assert part in flat
+    assert cmd[-1] == "--spec-default"
+    ngram = server_command("x", "llama-server-ngram-simple", PeerSettings("m", 64, 1, 0), 1)
+    assert ngram[-2:] == ["--spec-type", "ngram-simple"] and "--n-gpu-layers 0" in " ".join(ngram)
+    assert not {"--spec-default", "--spec-type"} & set(server_command("x", "llama-server", s, 1))
+    assert display_command(cmd) == ("llama-server --model model.gguf --threads 3 --threads-batch"
+                                     " 3 --ctx-size 4096 --batch-size 512 --ubatch-size 256 "
+                                     "--n-gpu-layers all --fit off --swa-full --parallel 1 "
+                                     "--cache-ram 0 --no-webui --spec-default")
+    with pytest.raises(ValueError, match="accepted are"):
+        server_command("x", "lcp-pld", s, 1)
+
+
+def test_missing_binary_skips_server_modes_and_says_how_to_build(tmp_path):
+    warnings: list[str] = []
+    started: list[str] = []
+    modes, peers = start_peers(
+        ["ar", "srsd", "lcp-pld", "llama-server", "llama-server-spec"],
+        PeerSettings("m.gguf", 512, 1, 0), tmp_path / "nope" / "llama-server",
+        warn=warnings.append, make_server=lambda *a: started.append(a[0]),
+        make_lcp=lambda s: SimpleNamespace(run=None, close=lambda: None))
+    assert modes == ["ar", "srsd", "lcp-pld"] and list(peers) == ["lcp-pld"] and not started
+    assert len(warnings) == 1 and "scripts/build_llama_server.sh" in warnings[0]
+    assert "llama-server, llama-server-spec" in warnings[0]
+
+
+def test_server_modes_without_httpx_are_skipped_with_a_message(tmp_path, monkeypatch):
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    real = peers_mod.importlib.util.find_spec
+    monkeypatch.setattr(peers_mod.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "httpx" else real(name, *a))
+    warnings: list[str] = []
+    modes, peers = start_peers(["ar", "llama-server"], PeerSettings("m", 64, 1, 0), binary,
+                               warn=warnings.append)
+    assert modes == ["ar"] and peers == {} and "pip install httpx" in warnings[0]
+
+
+def test_default_binary_lives_in_the_cache_per_version(monkeypatch, tmp_path):
+    monkeypatch.setenv("SRSD_CACHE_DIR", str(tmp_path))
+    assert peers_mod.default_llama_server("9.9.9") == tmp_path / "llama-server" / "9.9.9" / \
+        "llama-server"
+
+
+def test_start_peers_closes_what_it_started_when_one_fails(tmp_path):
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    closed: list[str] = []
+
+    def make_server(mode, _binary, _settings):
+        if mode == "llama-server-spec":
+            raise RuntimeError("no port")
+        return SimpleNamespace(close=lambda: closed.append(mode))
+
+    with pytest.raises(RuntimeError, match="no port"):
+        start_peers(["ar", "llama-server", "llama-server-spec"], PeerSettings("m", 64, 1, 0),
+                    binary, make_server=make_server)
+    assert closed == ["llama-server"]
+
+
+_STAND_IN = '''\
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+args = sys.argv[1:]
+if "--fail" in " ".join(args) or "--spec-type" in args:
+    print("error: unknown argument", flush=True)
+    sys.exit(3)
+port = int(args[args.index("--port") + 1])
+sample = json.loads(%r)
+
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def _send(self, code, obj):
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._send(200 if self.path == "/health" else 404, {"status": "ok"})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        out = dict(sample, tokens=sample["tokens"][: body["n_predict"]])
+        out["timings"] = dict(sample["timings"], predicted_n=len(out["tokens"]))
+        out["echo"] = body
+        self._send(200, out)
+
+HTTPServer(("127.0.0.1", port), H).serve_forever()
+'''
+
+
+def _stand_in_binary(tmp_path: Path) -> Path:
+    """An executable that answers like llama-server (/health, /completion) for this test."""
+    exe = tmp_path / "llama-server"
+    exe.write_text(f"#!{sys.executable}\n" + _STAND_IN % json.dumps(RECORDED_COMPLETION))
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    return exe
+
+
+def test_server_peer_starts_runs_and_stops_a_server(tmp_path):
+    exe = _stand_in_binary(tmp_path)
+    peer = LlamaServerPeer("llama-server-spec", exe, PeerSettings("m.gguf", 256, 1, 0),
+                           startup_timeout=30)
+    try:
+        res = peer.run(BenchPrompt("i", "c", "a = [1, 2, 3]", 10))
+        assert res.tokens == 10 and res.token_ids == RECORDED_COMPLETION["tokens"][:10]
+        assert res.draft_n == 19 and peer.proc.poll() is None
+    finally:
+        peer.close()
+    assert peer.proc.poll() is not None and not Path(peer._log.name).exists()
+
+
+def test_server_peer_that_cannot_start_reports_its_log(tmp_path):
+    exe = _stand_in_binary(tmp_path)
+    with pytest.raises(RuntimeError, match="exited with status 3:\n.*unknown argument"):
+        LlamaServerPeer("llama-server-ngram-simple", exe, PeerSettings("m", 64, 1, 0),
+                        startup_timeout=30)
+
+
+# -- the runner on a fake engine ---------------------------------------------------------------
+class FakeEngine:
+    """The public Engine surface the benchmark uses, nothing else (no `backend`)."""
+
+    model_path = "/models/fake.gguf"
+    model_name = "fake"
+    n_ctx = 512
+    index_backend = "numpy"
+
+    def __init__(self, fail_mode: str | None = None) -> None:
+        self.config = SRSDConfig(n_threads=1)
+        self.calls: list[tuple[str, str, int]] = []
+        self.fail_mode = fail_mode
+        self.closed = False
+
+    def generate(self, prompt, *, max_tokens, temperature, seed, mode):
+        self.calls.append((prompt, mode, max_tokens))
+        if mode == self.fail_mode:
+            raise RuntimeError("decode failed")
+        ids = [7] * max_tokens
+        if mode == "pld":
+            ids[-1] = 8
+        stats = _stats(mode, max_tokens, 0.01 * max_tokens, [(1, 0, 0)] * max_tokens)
+        return GenerationResult("", ids, "length", stats)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class FakePeer:
+    def __init__(self, ids: list[int] | None) -> None:
+        self.ids, self.runs = ids, []
+
+    def run(self, p: BenchPrompt) -> PeerResult:
+        self.runs.append(p.id)
+        ids = None if self.ids is None else self.ids * p.max_tokens
+        return PeerResult(p.max_tokens, 0.001 * p.max_tokens, ids, 4, 3)
+
+    def close(self) -> None:
+        pass
+
+
+def test_run_bench_interleaves_modes_warms_up_and_compares_greedy_tokens():
+    eng = FakeEngine()
+    prompts = [BenchPrompt("g", "c", "P1", 20), BenchPrompt("s", "c", "P2", 20, 0.8, 1)]
+    peers = {"llama-server": FakePeer([7]), "llama-server-spec": FakePeer(None)}
+    modes = ["ar", "pld", "llama-server", "llama-server-spec"]
+    recs = run_bench(eng, prompts, modes, repeats=1, peers=peers, progress=False)
+    assert [(c[1], c[2]) for c in eng.calls] == [("ar", 16), ("pld", 16), ("ar", 20),
+                                                  ("pld", 20), ("ar", 20), ("pld", 20)]
+    assert peers["llama-server"].runs == ["warm-up", "g", "s"]
+    assert [(r.prompt_id, r.mode) for r in recs] == [(p.id, m) for p in prompts for m in modes]
+    same = {(r.prompt_id, r.mode): r.identical_to_ar for r in recs}
+    assert same[("g", "pld")] is False and same[("g", "llama-server")] is True
+    assert same[("g", "llama-server-spec")] is None  # no tokens returned
+    assert same[("s", "llama-server")] is None  # sampled: not compared
+    assert all(r.peer == (r.mode in SERVER_MODES) for r in recs)
+    with pytest.raises(ValueError, match="no peer started for lcp-pld"):
+        run_bench(eng, prompts, ["ar", "lcp-pld"], progress=False)
+
+
+def _args(tmp_path: Path, modes: str, **kw) -> SimpleNamespace:
+    w = tmp_path / "w.jsonl"
+    w.write_text("".join(json.dumps({"id": f"p{i}", "category": "code_edit", "prompt": f"x{i}",
+                                     "max_tokens": 8}) + "\n" for i in range(3)))
+    base = dict(workload=str(w), modes=modes, max_prompts=2, repeats=1, json=None, plot=None,
+                doc=None, label="T", llama_server=str(tmp_path / "missing" / "llama-server"))
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_main_bench_without_the_binary_runs_the_other_modes(tmp_path, capsys):
+    eng = FakeEngine()
+    out = tmp_path / "r.json"
+    rc = main_bench(_args(tmp_path, "srsd,llama-server,llama-server-spec", json=str(out)),
+                    lambda: eng)
+    cap = capsys.readouterr()
+    assert rc == 0 and eng.closed
+    assert "scripts/build_llama_server.sh" in cap.err and "| overall | srsd |" in cap.out
+    assert "| llama-server" not in cap.out and "speedup vs llama-server-spec" not in cap.out
+    data = json.loads(out.read_text())
+    assert set(data["modes"]) == {"ar", "srsd"} and len(data["prompts"]) == 4
+    assert data["peers"] == {} and data["machine"]["model_file"] == "fake.gguf"
+
+
+def test_main_bench_closes_the_engine_on_error(tmp_path):
+    eng = FakeEngine(fail_mode="srsd")
+    with pytest.raises(RuntimeError, match="decode failed"):
+        main_bench(_args(tmp_path, "srsd"), lambda: eng)
+    assert eng.closed
+
+
+# -- real runs ---------------------------------------------------------------------------------
+def _bench(tmp_path: Path, modes: str, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
     w = tmp_path / "w.jsonl"
     w.write_text(json.dumps({"id": "x", "category": "code_edit", "max_tokens": 24,
                              "prompt": "a = [1, 2, 3]\nb = [1, 2, 3]\nc = [1, 2,"}) + "\n")
-    out, png, doc = tmp_path / "r.json", tmp_path / "r.png", tmp_path / "b.md"
+    out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, "-m", "srsd_local.cli", "bench", "--workload",
-                           str(w), "--modes", "ar,srsd,lcp-pld", "--json", str(out), "--plot",
-                           str(png), "--doc", str(doc), "--label", "test"],
+                           str(w), "--modes", modes, "--json", str(out), *extra],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc, out
+
+
+@pytest.mark.model
+def test_real_bench_run_writes_table_json_plot_and_doc(tmp_path):
+    png, doc = tmp_path / "r.png", tmp_path / "b.md"
+    proc, out = _bench(tmp_path, "ar,srsd,lcp-pld", "--plot", str(png), "--doc", str(doc),
+                       "--label", "test")
     assert "| overall | srsd |" in proc.stdout and "| overall | lcp-pld |" in proc.stdout
     data = json.loads(out.read_text())
     for m in ("ar", "srsd", "lcp-pld"):
         assert {"tokens", "seconds", "tokens_per_second", "speedup_vs_ar",
-                "mean_accepted_length"} <= set(data["modes"][m])
+                "mean_accepted_length", "host_ms_plain", "host_ms_tree"} <= set(data["modes"][m])
         assert data["modes"][m]["tokens"] == 24
     assert data["modes"]["ar"]["speedup_vs_ar"] == 1.0
+    assert data["modes"]["ar"]["host_ms_plain"] > 0
     assert data["categories"]["code_edit"]["srsd"]["tokens"] == 24
     assert data["machine"]["cores"] >= 1 and len(data["prompts"]) == 3
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     assert "<!-- bench:test -->" in doc.read_text()
+
+
+def _built_llama_server() -> Path | None:
+    """The binary scripts/build_llama_server.sh cached in the user's cache (the tests' own
+    cache folder is a temporary one), or LLAMA_SERVER."""
+    if os.environ.get("LLAMA_SERVER"):
+        return Path(os.environ["LLAMA_SERVER"])
+    xdg = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    exe = xdg / "srsd-local" / "llama-server" / peers_mod.llama_cpp_python_version() / \
+        "llama-server"
+    return exe if exe.is_file() else None
+
+
+@pytest.mark.model
+@pytest.mark.skipif(_built_llama_server() is None,
+                    reason="no llama-server built (scripts/build_llama_server.sh)")
+def test_real_llama_server_peers_match_plain_decoding(tmp_path):
+    proc, out = _bench(tmp_path, "ar,llama-server,llama-server-spec", "--llama-server",
+                       str(_built_llama_server()))
+    data = json.loads(out.read_text())
+    plain, spec = data["modes"]["llama-server"], data["modes"]["llama-server-spec"]
+    assert plain["tokens"] == spec["tokens"] == 24 and plain["tokens_per_second"] > 0
+    assert plain["identical_to_ar"] == (1, 1)
+    assert spec["draft_tokens"] > 0 and spec["acceptance_rate"] is not None
+    assert "--spec-default" in data["peers"]["llama-server-spec"]["command"]
+    assert "| overall | llama-server-spec |" in proc.stdout
+
+
+def test_calibrate_defaults_to_the_calibration_workload():
+    from srsd_local.cli import build_parser
+
+    args = build_parser().parse_args(["calibrate"])
+    assert args.workload == "calibration"
+    bench = build_parser().parse_args(["bench"])
+    assert set(parse_modes(bench.modes)) >= set(SERVER_MODES) | {"lcp-pld", "srsd"}
+

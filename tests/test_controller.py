@@ -9,11 +9,14 @@ import numpy as np
 import pytest
 from fakes import FakeBackend
 
-from srsd_local.calibrate import calibrate
 from srsd_local.config import SRSDConfig
-from srsd_local.controller import AcceptanceModel, CostModel, NodeEvidence, choose, evidence
-from srsd_local.engine import Engine, load_cost_model
-from srsd_local.tree import TokenTree
+from srsd_local.engine import Engine
+from srsd_local.engine.calibrate import calibrate
+from srsd_local.engine.profile import load_cost_model, machine_id
+from srsd_local.spec.acceptance import AcceptanceModel, NodeEvidence, evidence
+from srsd_local.spec.cost import CostModel
+from srsd_local.spec.planner import choose
+from srsd_local.spec.tree import TokenTree
 
 
 def _chain_tree(n: int, weight: float = 1.0) -> TokenTree:
@@ -118,6 +121,67 @@ def test_cost_grows_with_context_and_is_monotone():
     assert near > far > 0
 
 
+def test_cost_profile_reads_through_sanity_bounds():
+    # measured while the machine was busy: t(12) absurd; t(n) > n * t(1) is impossible
+    c = CostModel([1, 2, 12, 16], [0.010, 0.018, 4.3, 0.050])
+    # per token, a bigger batch is never dearer: t(12) <= 6 t(2); monotone: t(16) >= t(12)
+    assert c.t(12) == pytest.approx(0.108) and c.t(16) == pytest.approx(0.108)
+    assert c.t(2) == pytest.approx(0.018)
+    c2 = CostModel([1, 2, 4], [0.010, 0.001, 0.030])  # faster than a plain step: impossible
+    assert c2.t(2) == pytest.approx(0.010)
+
+
+def test_a_step_far_faster_than_believed_corrects_at_once():
+    c = CostModel([1, 2, 12, 16], [0.010, 0.018, 4.3, 0.050])
+    c.observe(12, 0.045)
+    assert c.t(12) == pytest.approx(0.045) and c.t(16) == pytest.approx(0.050)
+    c.observe(12, 0.060)  # slower than believed: moves slowly
+    assert 0.045 < c.t(12) < 0.05
+
+
+def test_plain_steps_rescale_the_profile():
+    c = CostModel([1, 2, 16], [0.030, 0.060, 0.150])  # profiled while busy: 3x too slow
+    c.observe(1, 0.010)  # far faster: believed at once, for every size
+    assert c.t(16) == pytest.approx(0.050, rel=0.01)
+    for _ in range(60):  # the machine got 20% slower: the profile follows
+        c.observe(1, 0.012)
+    assert c.t(1) == pytest.approx(0.012, rel=0.02) and c.t(16) == pytest.approx(0.060, rel=0.02)
+    # a profile where a batch costs as much as separate steps keeps that shape when rescaled
+    dear = CostModel([1, 2, 64], [0.010, 0.020, 0.640])
+    for _ in range(10):
+        dear.observe(1, 0.024)
+    assert dear.t(2) == pytest.approx(2 * dear.t(1)) and dear.t(1) > 0.015
+
+
+def test_stale_sizes_get_an_optimistic_guess_only_when_exploring():
+    c = CostModel([1, 2, 16], [0.010, 0.018, 0.160])
+    assert c.can_explore(16)
+    assert c.table(16, explore=True)[16] < c.table(16)[16]
+    for _ in range(5):
+        c.observe(16, 0.150)
+        c.observe(2, 0.018)
+        c.observe(1, 0.010)
+    assert not c.can_explore(16)  # every size confirmed by real steps
+    assert c.table(16, explore=True)[16] == pytest.approx(c.table(16)[16])
+
+
+def test_speculation_recovers_from_a_poisoned_profile_on_the_fake():
+    def run(profile):
+        # decoding n tokens takes 3 ms + 0.3 ms per extra token (slept): a batch is cheap
+        be = FakeBackend(n_ctx=2048, step_cost=lambda n: 0.003 + 0.0003 * (n - 1))
+        eng = Engine(be, SRSDConfig(index_backend="numpy", n_ctx=2048),
+                     CostModel([1, 2, 4, 8, 16, 33], profile))
+        text = "the quick brown fox jumps over the lazy dog and " * 3
+        return eng, eng.generate(text, max_tokens=300, mode="srsd").stats
+
+    _, sane = run([0.003, 0.0033, 0.0039, 0.0051, 0.0075, 0.0126])
+    eng, poisoned = run([0.003, 5.0, 5.0, 5.0, 5.0, 5.0])
+    # exploratory plans test the big trees; their real cost replaces the absurd estimates
+    # and the controller drafts as if the profile had been right
+    assert eng.speculator.cost.t(16) < 0.05
+    assert poisoned.mean_accepted_length > 0.6 * sane.mean_accepted_length > 1.5
+
+
 def test_cost_model_refines_online():
     c = CostModel([1, 2, 16], [0.010, 0.020, 0.050])
     for _ in range(100):
@@ -147,9 +211,10 @@ def test_cost_profile_is_cached_and_invalidated_when_the_model_file_changes(tmp_
     model.write_bytes(b"GGUF" + b"\0" * 64)
     be = _ProfiledFake(model)
     cfg = SRSDConfig(index_backend="numpy")
-    a = load_cost_model(be, cfg)
-    b = load_cost_model(be, cfg)
-    assert be.profiles == 1 and a.to_dict() == b.to_dict()
+    a, name, key = load_cost_model(be, cfg)
+    b, name2, _ = load_cost_model(be, cfg)
+    assert be.profiles == 1 and a.to_dict() == b.to_dict() and name == name2
+    assert machine_id() in key  # keyed by the machine as well as the model file
     load_cost_model(be, cfg.with_(n_threads=cfg.threads + 1))  # other thread count
     assert be.profiles == 2
     model.write_bytes(b"GGUF" + b"\1" * 80)  # the model file changed
@@ -188,12 +253,12 @@ def test_calibration_is_deterministic(tmp_path, monkeypatch):
     assert (r1["layer"], r1["top_k"], r1["draft_depth"]) == \
         (r2["layer"], r2["top_k"], r2["draft_depth"])
     assert r1["layer"] in (2, 4, 8) and set(r1["scores"]["layer"]) == {"2", "4", "8"}
-    from srsd_local.calibrate import load_calibration
+    from srsd_local.engine.calibrate import load_calibration
     assert load_calibration(model) == {k: r1[k] for k in ("layer", "top_k", "draft_depth")}
 
 
 def test_depth_calibration_corrects_systematic_underprediction():
-    from srsd_local.controller import DepthCalibration
+    from srsd_local.spec.acceptance import DepthCalibration
 
     dc = DepthCalibration(depths=5)
     tree = _chain_tree(4)
@@ -219,7 +284,7 @@ def test_shipped_calibration_applies_only_to_the_default_model_file(tmp_path, mo
     import json
     from importlib import resources
 
-    from srsd_local.calibrate import load_calibration, load_calibration_file
+    from srsd_local.engine.calibrate import load_calibration, load_calibration_file
 
     monkeypatch.setenv("SRSD_CACHE_DIR", str(tmp_path / "cache"))
     shipped = json.loads(resources.files("srsd_local").joinpath(

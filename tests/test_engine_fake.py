@@ -9,7 +9,7 @@ from srsd_local.config import SRSDConfig
 from srsd_local.engine import Engine, collect
 
 PROMPT = "the quick brown fox jumps over the lazy dog and the quick brown cat"
-MODES = ["ar", "pld", "srsd", "hybrid"]
+MODES = ["ar", "pld", "ngram", "retrieval", "srsd", "hybrid"]
 
 
 def make_engine(**cfg) -> Engine:

@@ -6,14 +6,13 @@ import numpy as np
 import pytest
 
 from srsd_local.config import SRSDConfig
-from srsd_local.drafters import (
+from srsd_local.spec.drafters import (
     DraftInput,
-    HybridDrafter,
     NgramDrafter,
     SemanticDrafter,
     make_drafter,
 )
-from srsd_local.index import VectorIndex, choose_backend, gpu_available
+from srsd_local.spec.index import VectorIndex, choose_backend, gpu_available
 
 BACKENDS = ["numpy", "faiss-cpu"] + (["faiss-gpu"] if gpu_available() else [])
 
@@ -139,8 +138,12 @@ def test_hybrid_merges_both_sources_and_respects_budget():
     idx = VectorIndex(8, 16, "numpy")
     idx.add(rows, np.arange(8))
     cfg = _cfg(top_k=8, min_similarity=-1.0, max_nodes=3)
-    tree = HybridDrafter(cfg).draft(DraftInput(ctx, 3, rows[1], idx))
+    tree = make_drafter("hybrid", cfg).draft(DraftInput(ctx, 3, rows[1], idx))
     assert 0 < tree.n_draft <= 3
+    # every node remembers its sources: retrieval (bit 1) and prompt lookup (bit 4)
+    assert all(o & (1 | 4) for o in tree.origin[1:])
+    big = make_drafter("hybrid", cfg.with_(max_nodes=16)).draft(DraftInput(ctx, 3, rows[1], idx))
+    assert {o for o in big.origin[1:]} - {1, 4, 5} == set() and 5 in big.origin[1:]
     assert make_drafter("ar", cfg) is None
     with pytest.raises(ValueError, match="accepted"):
         make_drafter("turbo", cfg)

@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 from text_data import MAX_TIE_GAP, assert_same_up_to_ties, edit_prompt
 
-from srsd_local.backend import Backend, ContextFullError, TextStream
-from srsd_local.capture import resolve_layer
 from srsd_local.config import SRSDConfig
-from srsd_local.controller import CostModel
 from srsd_local.engine import Engine
-from srsd_local.models import ModelError
+from srsd_local.engine.emit import TextStream
+from srsd_local.llama.backend import Backend, ContextFullError
+from srsd_local.llama.capture import resolve_layer
+from srsd_local.llama.models import ModelError
+from srsd_local.spec.cost import CostModel
 
 pytestmark = pytest.mark.model
 
@@ -162,34 +163,66 @@ def test_speculative_greedy_equals_plain_up_to_ties(fixed_trees, mode):
 def test_controller_on_the_real_model_follows_the_cost(engine):
     prompt = edit_prompt()
     plain = engine.generate(prompt, max_tokens=80, mode="ar")
-    saved = engine.cost
+    saved = engine.speculator.cost
     try:
         # verification nearly free (as on a big GPU): large trees, many tokens per step
-        engine.cost = CostModel([1, 2, 64], [0.010, 0.0102, 0.011])
+        engine.speculator.cost = CostModel([1, 2, 64], [0.010, 0.0102, 0.011])
         cheap = engine.generate(prompt, max_tokens=80, mode="srsd")
         assert max(cheap.stats.tree_sizes) > 8 and cheap.stats.mean_accepted_length > 2
         assert len(cheap.stats.predicted_per_depth) >= 1
-        # verification hugely expensive: every step is a plain one, output is plain output
-        engine.cost = CostModel([1, 2, 64], [0.010, 1.0, 30.0])
+        # verification as dear as separate steps, and confirmed so (no exploration): every
+        # step is a plain one, output is plain output
+        dear_cost = CostModel([1, 2, 64], [0.010, 0.020, 0.640])
+        dear_cost.confirmed[:] = 0
+        engine.speculator.cost = dear_cost
         dear = engine.generate(prompt, max_tokens=80, mode="srsd")
         assert set(dear.stats.tree_sizes) == {1} and dear.stats.draft_tokens == 0
         assert dear.token_ids == plain.token_ids
     finally:
-        engine.cost = saved
+        engine.speculator.cost = saved
 
 
-def test_speculative_sampling_is_reproducible_and_matches_plain_length(engine):
+def test_speculation_recovers_from_an_absurd_cached_profile(model_path, monkeypatch, tmp_path):
+    from srsd_local import store
+    from srsd_local.engine.profile import load_cost_model
+
+    monkeypatch.setenv("SRSD_CACHE_DIR", str(tmp_path))
+    with Engine.load(model_path, n_ctx=2048) as eng:  # measures and caches a real profile
+        sane = eng.speculator.cost.to_dict()
+        _, name, key = load_cost_model(eng.backend, eng.config)
+    # what a first load on a busy machine once cached: every tree seconds long
+    store.write_json("profiles", name, {**sane, "key": key,
+                                        "seconds": [sane["seconds"][0]] + [4.3] * (
+                                            len(sane["seconds"]) - 1)})
+    with Engine.load(model_path, n_ctx=2048) as eng:
+        assert eng.speculator.cost.t(12) > 0.05  # the poisoned profile was loaded
+        res = eng.generate(edit_prompt(), max_tokens=300, mode="srsd")
+        cost = eng.speculator.cost
+        # trees were verified again and the absurd estimates replaced by real step times
+        assert res.stats.drafts >= 5 and res.stats.accepted_tokens > 20
+        assert cost.t(12) < 1.0
+    # the corrected profile was saved back: the next load starts from it
+    assert store.read_json("profiles", name)["seconds"][-1] < 4.3
+
+
+def test_speculative_sampling_is_reproducible_and_draws_what_plain_draws(engine):
     prompt = edit_prompt()
     kw = dict(max_tokens=60, temperature=0.8, seed=5)
-    # from the same state (empty context, same controller calibration) the trees and batch
-    # shapes repeat, so the results repeat exactly
-    acceptance, cost = copy.deepcopy(engine.acceptance), copy.deepcopy(engine.cost)
+    # from the same state (empty context, same speculator: acceptance, cost, depth
+    # calibration, n-gram pool) the trees and batch shapes repeat, so the results repeat
+    saved = copy.deepcopy(engine.speculator)
     engine.reset()
     a = engine.generate(prompt, mode="srsd", **kw)
     engine.reset()
-    engine.acceptance, engine.cost = acceptance, cost
+    engine.speculator = copy.deepcopy(saved)
     b = engine.generate(prompt, mode="srsd", **kw)
+    engine.speculator = saved
     assert a.token_ids == b.token_ids and len(a.token_ids) == 60
+    assert a.stats.accepted_tokens > 0, "the edit prompt must accept drafts"
+    # one draw per emitted token from the same seeded generator: the same tokens as plain
+    # sampling (a batched pass could only flip a draw sitting on a rounding boundary)
+    plain = engine.generate(prompt, mode="ar", **kw)
+    assert a.token_ids == plain.token_ids
 
 
 def test_stop_strings_and_context_reuse_on_the_real_model(engine):
@@ -246,7 +279,7 @@ def test_cli_generate_prints_text_and_stats():
 
 def test_compiled_and_python_capture_agree_and_fallback_without_compiler(model_path,
                                                                          monkeypatch, tmp_path):
-    import srsd_local.capture as cap
+    import srsd_local.llama.capture as cap
 
     cfg = SRSDConfig(n_ctx=512, n_batch=128, n_ubatch=128)
     ids = None
@@ -258,7 +291,8 @@ def test_compiled_and_python_capture_agree_and_fallback_without_compiler(model_p
             ids = ids or be.tokenize("for i in range(10):\n    print(i * i)\n" * 16)
             assert len(ids) > 128
             rows[kind] = be.decode(ids, want_logits="last").hidden.copy()  # > n_batch: 2 calls
-    assert rows["c"].shape == (len(ids), 640)
+        n_embd = be.n_embd
+    assert rows["c"].shape == (len(ids), n_embd)
     np.testing.assert_array_equal(rows["c"], rows["python"])
     # no compiler and nothing cached: the Python callback is used, and it works
     monkeypatch.setenv("SRSD_CAPTURE", "c")
@@ -267,4 +301,4 @@ def test_compiled_and_python_capture_agree_and_fallback_without_compiler(model_p
     assert cap.compiled_callback_library() is None
     with Backend(model_path, cfg, capture_layer=4) as be:
         assert be.capture.kind == "python"
-        assert be.decode(ids[:20], want_logits="last").hidden.shape == (20, 640)
+        assert be.decode(ids[:20], want_logits="last").hidden.shape == (20, n_embd)

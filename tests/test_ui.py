@@ -11,8 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import start_cli_server
-
-from srsd_local.ui import edit_prompt, unified_diff
+from srsd_local.app.ui import edit_prompt, unified_diff
 
 pytestmark = pytest.mark.model
 ROOT = Path(__file__).resolve().parent.parent

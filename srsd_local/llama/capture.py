@@ -1,4 +1,4 @@
-"""Hidden-state capture through llama.cpp's eval callback (DESIGN section 3).
+"""Hidden-state capture through llama.cpp's eval callback.
 
 The scheduler asks the callback about every graph node (``ask=True``); we answer yes only for
 ``l_out-<L>`` (the residual stream after layer L). When such a tensor has been computed the
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import os
 import shutil
 import subprocess
 import tempfile
@@ -24,6 +23,9 @@ from importlib import resources
 from pathlib import Path
 
 import numpy as np
+
+from .. import store
+from ..config import environment
 
 _GGML_TYPE_F32 = 0
 _GGML_TYPE_F16 = 1
@@ -120,7 +122,7 @@ class _CState(ctypes.Structure):
 
 
 def _compiler() -> str | None:
-    for cand in (os.environ.get("CC"), "cc", "gcc", "clang"):
+    for cand in (environment().cc, "cc", "gcc", "clang"):
         if cand and shutil.which(cand):
             return cand
     return None
@@ -128,16 +130,13 @@ def _compiler() -> str | None:
 
 def compiled_callback_library() -> Path | None:
     """Path of the compiled C callback (built once into the cache), or None."""
-    from .models import cache_dir  # noqa: PLC0415
-
-    src = resources.files("srsd_local").joinpath("_capture.c").read_bytes()
-    out = cache_dir() / "capture" / f"capture-{hashlib.sha1(src).hexdigest()[:12]}.so"
+    src = resources.files("srsd_local.llama").joinpath("_capture.c").read_bytes()
+    out = store.path("capture", f"capture-{hashlib.sha1(src).hexdigest()[:12]}.so")
     if out.exists():
         return out
     cc = _compiler()
     if cc is None:
         return None
-    out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         c_file = Path(tmp) / "capture.c"
         c_file.write_bytes(src)
@@ -146,7 +145,7 @@ def compiled_callback_library() -> Path | None:
                               capture_output=True, timeout=120)
         if proc.returncode != 0 or not so.exists():
             return None
-        os.replace(so, out)
+        store.write_bytes(out, so.read_bytes())
     return out
 
 
@@ -204,7 +203,7 @@ class CompiledCapture:
 
 def make_capture(layer: int, max_rows: int, n_embd: int) -> HiddenCapture | CompiledCapture:
     """The C capture where a compiler is available (and not disabled), else Python."""
-    if os.environ.get("SRSD_CAPTURE", "").lower() != "python":
+    if environment().capture != "python":
         try:
             lib = compiled_callback_library()
         except (OSError, subprocess.SubprocessError):

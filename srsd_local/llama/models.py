@@ -13,6 +13,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from .. import store
+from ..config import environment
+
 DEFAULT_ALIASES = (None, "default", "gemma-3-270m")
 _GGUF_MAGIC = b"GGUF"
 
@@ -22,23 +25,14 @@ class ModelError(ValueError):
 
 
 def models_dir() -> Path:
-    """$SRSD_MODELS_DIR, else models/ of a source checkout, else a user cache folder."""
-    env = os.environ.get("SRSD_MODELS_DIR")
-    if env:
-        return Path(env).expanduser()
-    checkout = Path(__file__).resolve().parent.parent
+    """$SRSD_MODELS_DIR, else models/ of a source checkout, else the user cache's models/."""
+    env = environment()
+    if env.models_dir is not None:
+        return env.models_dir
+    checkout = Path(__file__).resolve().parents[2]
     if (checkout / "pyproject.toml").exists() and (checkout / "models").is_dir():
         return checkout / "models"
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return cache / "srsd-local" / "models"
-
-
-def cache_dir() -> Path:
-    """Per-user cache for measured profiles and calibrations ($SRSD_CACHE_DIR overrides)."""
-    env = os.environ.get("SRSD_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "srsd-local"
+    return store.cache_dir() / "models"
 
 
 def _sha256(path: Path, desc: str | None = None) -> str:

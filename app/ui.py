@@ -1,4 +1,5 @@
-"""Gradio chat and editor UI over the server's Service (same queue, same engine).
+"""Gradio chat and editor UI over the Service of app/service.py (the same queue and engine as
+the HTTP API; app/main.py mounts it).
 
 Tabs: Chat (streaming, history, system prompt, drafted tokens highlighted), Editor (an
 instruction applied to code or text, streamed, then a diff; "compare" runs plain decoding and
@@ -9,11 +10,12 @@ from __future__ import annotations
 
 import difflib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
-from .config import MODES
-from .server import APIError, GenRequest, Service, never_disconnected
+from ..config import MODES
+from .errors import APIError
+from .service import GenRequest, Service, never_disconnected
 
 DRAFT_LABEL = "from an accepted draft"
 CSS = ".srsd-stats {font-family: monospace}"
@@ -59,12 +61,12 @@ class UIState:
             return f"**Model failed to load:** {s.load_error}"
         if s.engine is None:
             return "Loading model…"
-        be = s.engine.backend
-        return (f"**Model:** {s.model_id} · {be.n_ctx} tokens of context · "
-                f"GPU layers {s.engine.config.n_gpu_layers} · index {s.engine.index.backend}")
+        eng = s.engine
+        return (f"**Model:** {s.model_id} · {eng.n_ctx} tokens of context · "
+                f"GPU layers {eng.config.n_gpu_layers} · index {eng.index_backend}")
 
     def piece(self, tok: int) -> str:
-        return self.service.engine.backend.piece(tok).decode("utf-8", "replace")
+        return self.service.engine.token_text(tok)
 
     async def run(self, req: GenRequest) -> AsyncIterator[tuple[str, list, Any]]:
         """(text so far, highlighted pieces, final stats or None) as the generation goes."""
@@ -232,17 +234,3 @@ def mount_ui(app, service: Service, path: str = "/ui"):
     import gradio as gr  # noqa: PLC0415
 
     return gr.mount_gradio_app(app, build_ui(service), path=path, css=CSS)
-
-
-def run_ui(args, load: Callable[[], Any]) -> int:
-    """Run the UI for `srsd-local ui` (the API endpoints come along)."""
-    import uvicorn  # noqa: PLC0415
-
-    from .server import create_app  # noqa: PLC0415
-
-    service = Service(load)
-    app = create_app(service, ui=False)
-    mount_ui(app, service, path="/")
-    print(f"srsd-local UI on http://{args.host}:{args.port}/", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    return 0

@@ -1,4 +1,4 @@
-"""llama.cpp model + context over the low-level ctypes API (DESIGN section 3).
+"""llama.cpp model + context over the low-level ctypes API (see docs/architecture.md).
 
 Sequence 0 holds the committed context. A token tree is verified by giving each
 root-to-leaf path a sequence id (`fork` copies the context into ids 1..B-1), decoding all
@@ -7,17 +7,17 @@ nodes in one batch, then folding the accepted path back into sequence 0 (`commit
 
 from __future__ import annotations
 
-import codecs
 import ctypes
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ..config import SRSDConfig, environment
 from .capture import CompiledCapture, HiddenCapture, make_capture, resolve_layer
-from .config import SRSDConfig
 
 
 class DecodeError(RuntimeError):
@@ -36,7 +36,7 @@ def _llama():
     from llama_cpp import llama_cpp as L  # noqa: PLC0415
 
     if not _BACKEND_READY:
-        if not os.environ.get("SRSD_VERBOSE"):
+        if not environment().verbose:
             _silence_llama_log(L)
         L.llama_backend_init()
         _BACKEND_READY = True
@@ -70,6 +70,30 @@ def _NO_PROGRESS(L):  # llama.cpp prints dots while loading unless given a callb
 
 def gpu_offload_supported() -> bool:
     return bool(_llama().llama_supports_gpu_offload())
+
+
+_DEVICES: list[str] | None = None
+
+
+def device_names() -> list[str]:
+    """The compute devices ggml sees ("CPU", "NVIDIA H200", ...), from its device registry."""
+    global _DEVICES
+    if _DEVICES is None:
+        _llama()
+        try:
+            from llama_cpp import _ggml  # noqa: PLC0415
+
+            lib = _ggml.libggml
+            lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+            lib.ggml_backend_dev_get.restype = ctypes.c_void_p
+            lib.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+            lib.ggml_backend_dev_description.restype = ctypes.c_char_p
+            lib.ggml_backend_dev_description.argtypes = [ctypes.c_void_p]
+            _DEVICES = [(lib.ggml_backend_dev_description(lib.ggml_backend_dev_get(i)) or b"?")
+                        .decode("utf-8", "replace") for i in range(lib.ggml_backend_dev_count())]
+        except (AttributeError, OSError, ImportError):
+            _DEVICES = ["unknown"]
+    return _DEVICES
 
 
 @dataclass
@@ -134,6 +158,7 @@ class Backend:
                            for i in range(cap)]
             self._piece_cache: dict[int, bytes] = {}
             self.n_past = 0  # tokens of sequence 0 in the KV cache
+            self.decode_seconds = 0.0  # time spent inside llama_decode, ever
         except BaseException:
             self.close()
             raise
@@ -284,7 +309,9 @@ class Backend:
                 self._b_seq[i][: len(ids)] = ids
 
     def _decode_batch(self, m: int) -> None:
+        t0 = time.perf_counter()
         rc = self._L.llama_decode(self.ctx, self._batch)
+        self.decode_seconds += time.perf_counter() - t0
         if rc == 0:
             return
         if rc == 1:
@@ -300,8 +327,6 @@ class Backend:
         """Step costs for the controller: seconds of one decode of n tokens (logits for
         all) for each n in sizes at a short context, plus seconds per (token x context
         token) from the largest size at a long context. Uses and then clears the context."""
-        import time  # noqa: PLC0415
-
         def timed(n: int, base: int, filler: list[int]) -> float:
             times = []
             for _ in range(reps + 1):  # the first is a warm-up
@@ -363,17 +388,3 @@ class Backend:
     def clear(self) -> None:
         self._L.llama_memory_clear(self.mem, True)
         self.n_past = 0
-
-
-class TextStream:
-    """Incremental detokenizer: never splits a UTF-8 character across chunks."""
-
-    def __init__(self, piece) -> None:
-        self._piece = piece
-        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def push(self, token: int) -> str:
-        return self._dec.decode(self._piece(token))
-
-    def flush(self) -> str:
-        return self._dec.decode(b"", final=True)

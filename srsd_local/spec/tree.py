@@ -36,6 +36,7 @@ class TokenTree:
         self.weights: list[float] = [0.0]
         self.counts: list[int] = [0]  # drafts through each node
         self.agree: list[int] = [0]  # longest context match among the drafts through a node
+        self.origin: list[int] = [0]  # bitmask of the draft sources through a node
         self._children: list[dict[int, int]] = [{}]
 
     def __len__(self) -> int:
@@ -60,16 +61,28 @@ class TokenTree:
         self.weights.append(weight)
         self.counts.append(0)
         self.agree.append(0)
+        self.origin.append(0)
         self._children.append({})
         self._children[parent][int(token)] = idx
         return idx
 
-    def insert(self, path: Sequence[int], weight: float, agree: int = 0) -> None:
+    def graft(self, parent: int, src: TokenTree, node: int) -> int:
+        """Copy node `node` of tree `src` (its token and statistics) under `parent`."""
+        new = self.add_node(parent, src.tokens[node], src.weights[node])
+        self.counts[new] = src.counts[node]
+        self.agree[new] = src.agree[node]
+        self.origin[new] = src.origin[node]
+        return new
+
+    def insert(self, path: Sequence[int], weight: float, agree: int = 0, origin: int = 1
+               ) -> None:
         """Add a draft that follows the root; shared prefixes are stored once. `agree` is
-        how many context tokens up to the root matched where the draft was found."""
+        how many context tokens up to the root matched where the draft was found; `origin`
+        is the bit of the source that proposed it."""
         node = 0
         self.weights[0] += weight
         self.counts[0] += 1
+        self.origin[0] |= origin
         for tok in path:
             nxt = self._children[node].get(int(tok))
             if nxt is None:
@@ -77,6 +90,7 @@ class TokenTree:
             self.weights[nxt] += weight
             self.counts[nxt] += 1
             self.agree[nxt] = max(self.agree[nxt], agree)
+            self.origin[nxt] |= origin
             node = nxt
 
     def path_tokens(self, node: int) -> list[int]:
@@ -110,10 +124,7 @@ class TokenTree:
             if opens_leaf and leaves >= max_branches:
                 continue
             leaves += opens_leaf
-            new = out.add_node(new_parent, self.tokens[old], self.weights[old])
-            out.counts[new] = self.counts[old]
-            out.agree[new] = self.agree[old]
-            push_children(old, new)
+            push_children(old, out.graft(new_parent, self, old))
         return out
 
     def layout(self) -> TreeLayout:

@@ -8,26 +8,15 @@ stored per model file; `Engine.load` uses it unless those settings are given exp
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from .models import cache_dir
+from .. import store
 
 CALIBRATED_FIELDS = ("layer", "top_k", "draft_depth")
-
-
-def model_key(model_path: str | Path) -> str:
-    p = Path(model_path).resolve()
-    st = p.stat()
-    return hashlib.sha1(f"{p}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
-
-
-def calibration_path(model_path: str | Path) -> Path:
-    return cache_dir() / "calibration" / f"{model_key(model_path)}.json"
 
 
 _SHIPPED = "default_calibration.json"  # measured on the default model, shipped in the package
@@ -35,10 +24,9 @@ _SHIPPED = "default_calibration.json"  # measured on the default model, shipped 
 
 def load_calibration_file(model_path: str | Path) -> dict[str, Any] | None:
     """This model's stored calibration; for the default model, the shipped one if none."""
-    try:
-        return json.loads(calibration_path(model_path).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        pass
+    stored = store.read_json("calibration", f"{store.file_key(model_path)}.json")
+    if isinstance(stored, dict):
+        return stored
     try:
         shipped = resources.files("srsd_local").joinpath("data", _SHIPPED).read_text("utf-8")
     except (OSError, FileNotFoundError):
@@ -81,7 +69,7 @@ def calibrate(load: Callable[..., Any], model_path: str, prompts: Sequence,
     fixed = dict(adaptive=False, max_nodes=16, max_branches=4)
     scores: dict[str, dict[str, float]] = {"layer": {}, "top_k": {}, "draft_depth": {}}
     with load(layer=0.25, **fixed) as probe:
-        n_layer = probe.backend.n_layer
+        n_layer = probe.n_layer
     layers = list(layers) if layers else candidate_layers(n_layer)
     for layer in layers:
         with load(layer=layer, top_k=10, draft_depth=16, **fixed) as eng:
@@ -104,20 +92,18 @@ def calibrate(load: Callable[..., Any], model_path: str, prompts: Sequence,
         # seed the acceptance model: every node of fixed trees is verified, so all kinds of
         # evidence get measured outcomes (the controller later keeps learning online)
         eng.reconfigure(top_k=best_k, draft_depth=best_d)
-        eng.acceptance.counts.clear()
+        eng.speculator.acceptance.counts.clear()
         for mode in ("srsd", "hybrid"):
             for p in prompts:
                 eng.reset()
                 eng.generate(p.prompt, max_tokens=min(max_tokens, p.max_tokens), mode=mode,
                              temperature=getattr(p, "temperature", 0.0),
                              seed=getattr(p, "seed", None))
-        acceptance = eng.acceptance.to_json()
+        acceptance = eng.speculator.acceptance.to_json()
         progress(f"acceptance seeded from {sum(v[1] for _, v in acceptance)} outcomes")
     result = {"layer": best_layer, "top_k": best_k, "draft_depth": best_d,
               "n_layer": n_layer, "scores": scores, "model": Path(model_path).name,
               "model_size": Path(model_path).stat().st_size, "acceptance": acceptance}
-    path = calibration_path(model_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1), encoding="utf-8")
+    path = store.write_json("calibration", f"{store.file_key(model_path)}.json", result)
     result["path"] = str(path)
     return result

@@ -1,4 +1,4 @@
-"""Logits -> next token, and the lossless tree walk (DESIGN section 2). Pure numpy.
+"""Logits -> next token. Pure numpy.
 
 One `Sampler` serves plain decoding and tree verification alike, so a speculative run draws
 exactly what a plain run would draw: each emitted token consumes one sample from the same
@@ -7,12 +7,9 @@ seeded generator, in the same order.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 
-from .config import SamplingParams
-from .tree import TokenTree
+from ..config import SamplingParams
 
 _HEAD = 512  # candidates sorted first when looking for the top-p nucleus
 
@@ -88,21 +85,3 @@ class Sampler:
             return int(np.argmax(logits))
         ids, p = distribution(logits, self.params)
         return int(ids[_pick(p, self.rng.random())])
-
-
-def walk_tree(tree: TokenTree, row: Callable[[int], np.ndarray], sample: Sampler
-              ) -> tuple[list[int], int]:
-    """Verify a token tree: returns (accepted node indices from the root, next token).
-
-    `row(node)` gives the model's logits after that node. At each node the model's token is
-    drawn with `sample`; if a child carries it the walk descends, else that token is the
-    next token and the walk ends. The root is always accepted.
-    """
-    node, path = 0, [0]
-    while True:
-        y = sample(row(node))
-        child = tree.child(node, y)
-        if child is None:
-            return path, y
-        path.append(child)
-        node = child

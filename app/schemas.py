@@ -1,0 +1,360 @@
+"""Request and response bodies of the OpenAI-compatible API, as Pydantic models.
+
+FastAPI validates requests against these models and documents them in /openapi.json.
+Validation is strict (no "5" for 5, no "yes" for true) and unknown fields are tolerated, as
+OpenAI clients send many. A failed validation becomes OpenAI's 400 error whose `param` names
+the field (dotted for nested objects: "srsd.mode") and whose message says what is accepted
+(`validation_error`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ..config import MODES
+from .errors import APIError
+from .service import GenRequest
+
+Mode = Literal[MODES]  # type: ignore[valid-type]  # the modes of config.MODES
+Role = Literal["system", "user", "assistant", "developer"]
+FinishReason = Literal["stop", "length"]
+
+# what each field accepts, for the error messages and the field descriptions
+ACCEPTED = {
+    "model": "a string: the id from GET /v1/models",
+    "prompt": "a string (or one token-id array, or an array of one string); batches of "
+              "prompts are not supported",
+    "messages": "a non-empty array of {role: system | user | assistant | developer, content: "
+                "a string or an array of text parts {type: text, text}}",
+    "max_tokens": "an integer >= 1",
+    "max_completion_tokens": "an integer >= 1",
+    "temperature": "a number in [0, 2]",
+    "top_p": "a number in (0, 1]",
+    "top_k": "an integer >= 0 (0: off)",
+    "min_p": "a number in [0, 1]",
+    "seed": "an integer >= 0",
+    "stop": "a string or an array of up to 16 strings",
+    "n": "only 1 (one choice per request)",
+    "stream": "true or false",
+    "stream_options": "an object such as {\"include_usage\": true}",
+    "stream_options.include_usage": "true or false",
+    "srsd": "an object such as {\"mode\": \"srsd\"}",
+    "srsd.mode": ", ".join(MODES),
+}
+
+
+def _doc(name: str, text: str) -> str:
+    return f"{text} Accepted: {ACCEPTED[name]}."
+
+
+class _Open(BaseModel):
+    """Strict types; unknown fields are kept (and ignored)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class SrsdOptions(_Open):
+    """srsd-local's extension (send it with the openai client's `extra_body`)."""
+
+    mode: Mode | None = Field(None, description=_doc(
+        "srsd.mode", "Decoding mode of this request (default: the server's --mode)."))
+
+
+class StreamOptions(_Open):
+    include_usage: bool | None = Field(False, description=_doc(
+        "stream_options.include_usage", "Send a last chunk with `usage` and `timings`."))
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+OneString = Annotated[list[str], Field(min_length=1, max_length=1)]
+StopList = Annotated[list[str], Field(max_length=16)]
+
+
+class _Generation(_Open):
+    """Fields shared by completions and chat completions (None: the default)."""
+
+    model: str | None = Field(None, description=_doc("model", "The model to use."))
+    max_tokens: int | None = Field(None, ge=1, description=_doc(
+        "max_tokens", "Tokens to generate at most (default: what the context leaves)."))
+    max_completion_tokens: int | None = Field(None, ge=1, description=_doc(
+        "max_completion_tokens", "Same as max_tokens, which it overrides."))
+    temperature: float | None = Field(1.0, ge=0, le=2, description=_doc(
+        "temperature", "Sampling temperature; 0 is greedy."))
+    top_p: float | None = Field(1.0, gt=0, le=1, description=_doc("top_p", "Nucleus sampling."))
+    top_k: int | None = Field(0, ge=0, description=_doc("top_k", "Top-k sampling (extension)."))
+    min_p: float | None = Field(0.0, ge=0, le=1, description=_doc(
+        "min_p", "Min-p sampling (extension)."))
+    seed: int | None = Field(None, ge=0, description=_doc(
+        "seed", "Seed of the sampler: the same seed gives the same output."))
+    stop: str | StopList | None = Field(None, description=_doc(
+        "stop", "Generation stops before any of these strings."))
+    n: Literal[1] | None = Field(1, description=_doc("n", "Choices to generate."))
+    stream: bool | None = Field(False, description=_doc(
+        "stream", "Stream server-sent events (text/event-stream), ending with `data: [DONE]`."))
+    stream_options: StreamOptions | None = Field(None, description=_doc(
+        "stream_options", "Streaming options."))
+    srsd: SrsdOptions | None = Field(None, description=_doc(
+        "srsd", "srsd-local's options."))
+
+    def _gen_request(self, kind: str, prompt: str | list[int] | None,
+                     messages: list[dict] | None) -> GenRequest:
+        max_tokens = self.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = self.max_tokens
+        so, ext = self.stream_options, self.srsd
+        return GenRequest(
+            kind=kind, prompt=prompt, messages=messages, max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else float(self.temperature),
+            top_p=1.0 if self.top_p is None else float(self.top_p),
+            top_k=self.top_k or 0,
+            min_p=0.0 if self.min_p is None else float(self.min_p),
+            seed=self.seed,
+            stop=[] if self.stop is None else [self.stop] if isinstance(self.stop, str)
+            else list(self.stop),
+            stream=bool(self.stream),
+            include_usage=bool(so is not None and so.include_usage),
+            mode=ext.mode if ext is not None else None, model=self.model)
+
+
+class CompletionRequest(_Generation):
+    """POST /v1/completions."""
+
+    prompt: str | OneString | TokenIds = Field(description=_doc(
+        "prompt", "The text to continue, or its token ids (BOS included)."))
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> Any:
+        return v[0] if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str) else v
+
+    def to_gen_request(self) -> GenRequest:
+        return self._gen_request("completion", self.prompt, None)
+
+
+class TextPart(_Open):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Open):
+    role: Role = Field(description="'developer' is read as 'system'.")
+    content: str | list[TextPart]
+
+
+class ChatCompletionRequest(_Generation):
+    """POST /v1/chat/completions (the model's chat template renders the messages)."""
+
+    messages: list[ChatMessage] = Field(min_length=1, description=_doc(
+        "messages", "The conversation so far."))
+
+    def to_gen_request(self) -> GenRequest:
+        msgs = [m.model_dump(exclude_unset=True) for m in self.messages]
+        return self._gen_request("chat", None, msgs)
+
+
+# -- responses ------------------------------------------------------------------------------------
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, stats: Any) -> Usage:
+        return cls(prompt_tokens=stats.prompt_tokens, completion_tokens=stats.tokens,
+                   total_tokens=stats.prompt_tokens + stats.tokens)
+
+
+class Timings(BaseModel):
+    """llama.cpp server's `timings`, with the speculative decoding counts."""
+
+    prompt_n: int = Field(description="prompt tokens processed (not reused from the context)")
+    prompt_ms: float
+    cache_n: int = Field(description="prompt tokens reused from the context")
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_second: float
+    draft_n: int = Field(description="drafted tokens verified")
+    draft_n_accepted: int = Field(description="drafted tokens accepted")
+    mean_accepted_length: float = Field(description="tokens per forward pass")
+    mode: str
+
+    @classmethod
+    def of(cls, stats: Any) -> Timings:
+        return cls(prompt_n=stats.prompt_tokens - stats.reused_prompt_tokens,
+                   prompt_ms=stats.prompt_seconds * 1000.0,
+                   cache_n=stats.reused_prompt_tokens, predicted_n=stats.tokens,
+                   predicted_ms=stats.seconds * 1000.0,
+                   predicted_per_second=stats.tokens_per_second,
+                   draft_n=stats.draft_tokens, draft_n_accepted=stats.accepted_tokens,
+                   mean_accepted_length=stats.mean_accepted_length, mode=stats.mode)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None
+
+
+class Completion(BaseModel):
+    """The answer of /v1/completions; with stream, each event's data is one of these
+    (object "text_completion"), the last one with `usage` when asked."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    timings: Timings | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    timings: Timings
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: FinishReason | None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    timings: Timings | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "srsd-local"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: str = Field(description="'ok'; with 503: 'loading model' or 'error'")
+    model: str | None = None
+    error: str | None = None
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+# -- validation errors -> OpenAI's 400 -------------------------------------------------------------
+_FIELD_NAMES = {name for cls in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart,
+                                 SrsdOptions, StreamOptions) for name in cls.model_fields}
+
+
+def _nested_model(annotation: Any) -> type[BaseModel] | None:
+    """The model class of a field that holds one object (Optional included), else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        if arg is not type(None) and (found := _nested_model(arg)) is not None:
+            return found
+    return None
+
+
+def _param(model: type[BaseModel], loc: tuple) -> str | None:
+    """The dotted field path of an error's location, down to the first array or union."""
+    names: list[str] = []
+    cls: type[BaseModel] | None = model
+    for part in loc:
+        if cls is None or not isinstance(part, str) or part not in cls.model_fields:
+            break
+        names.append(part)
+        cls = _nested_model(cls.model_fields[part].annotation)
+    return ".".join(names) or None
+
+
+def _where(loc: tuple) -> str:
+    """messages[0].role: the location without union tags."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _FIELD_NAMES:
+            out += f".{part}" if out else part
+    return out
+
+
+def validation_error(errors: list[dict[str, Any]], model: type[BaseModel]) -> APIError:
+    """OpenAI's 400 for Pydantic's errors of one body (locations start inside the body)."""
+    if not errors:
+        return APIError(400, "the request body is invalid")
+    # of a union's alternatives, the error that got furthest is the most telling
+    err = max(errors, key=lambda e: len(e.get("loc", ())))
+    loc = tuple(err.get("loc", ()))
+    if err.get("type") == "json_invalid":
+        detail = (err.get("ctx") or {}).get("error", err.get("msg", ""))
+        return APIError(400, f"the request body is not valid JSON: {detail}")
+    param = _param(model, loc)
+    if param is None:
+        return APIError(400, "the request body must be a JSON object with the fields of "
+                        f"{model.__name__} (see /docs)")
+    accepted = ACCEPTED.get(param, "see /docs")
+    where = _where(loc) or param
+    if err.get("type") == "missing":
+        return APIError(400, f"'{where}' is required; accepted: {accepted}", param=param,
+                        code="invalid_value")
+    shown = json.dumps(err.get("input"), default=str)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    why = f" ({err.get('msg')})" if where != param else ""
+    return APIError(400, f"invalid '{where}': {shown}{why}; accepted: {accepted}", param=param,
+                    code="invalid_value")
+
+
+def parse_request(body: Any, kind: str) -> GenRequest:
+    """Validate a decoded JSON body ("completion" or "chat") into a GenRequest."""
+    model = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    try:
+        return model.model_validate(body).to_gen_request()
+    except ValidationError as exc:
+        raise validation_error(exc.errors(), model) from exc

@@ -1,0 +1,159 @@
+"""Side-by-side benchmark: every mode on every prompt, one process, one model (README.md,
+"Benchmarks"; results and method in docs/benchmarks.md).
+
+Modes are interleaved per prompt (peers included) so machine noise hits all of them alike; one
+warm-up pass per mode is excluded from timing. The engine is driven through its public API
+only; workloads come from srsd_local/bench/workloads, peers from srsd_local/bench/peers.py,
+totals and tables from srsd_local/bench/report.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..config import MODES
+from .peers import (
+    PEER_MODES,
+    SERVER_MODES,
+    Peer,
+    PeerSettings,
+    close_peers,
+    display_command,
+    start_peers,
+)
+from .report import RunRecord, doc_section, plot, summarise, table, write_doc
+from .workloads import BenchPrompt, first_per_category, load_workload
+
+ALL_MODES = MODES + PEER_MODES
+
+
+def parse_modes(text: str) -> list[str]:
+    """Comma-separated modes, `ar` added first when missing (every speed-up is relative to it)."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ALL_MODES]
+    if bad or not modes:
+        raise ValueError(f"unknown mode(s) {bad or text!r}: accepted are {', '.join(ALL_MODES)}")
+    modes = list(dict.fromkeys(modes))
+    if "ar" not in modes:
+        modes.insert(0, "ar")
+    return modes
+
+
+def run_bench(engine: Any, prompts: Sequence[BenchPrompt], modes: Sequence[str],
+              repeats: int = 1, peers: Mapping[str, Peer] | None = None,
+              progress: bool = True) -> list[RunRecord]:
+    """Every mode on every prompt, `repeats` times, modes interleaved per prompt; a greedy
+    run's tokens are compared with the same prompt's `ar` run."""
+    from tqdm import tqdm  # noqa: PLC0415
+
+    peers = peers or {}
+    missing = [m for m in modes if m in PEER_MODES and m not in peers]
+    if missing:
+        raise ValueError(f"no peer started for {', '.join(missing)}")
+
+    def one(p: BenchPrompt, mode: str, repeat: int) -> RunRecord:
+        if mode in peers:
+            res = peers[mode].run(p)
+            return RunRecord(p.id, p.category, mode, repeat, res.to_stats(mode), res.token_ids,
+                             peer=True)
+        out = engine.generate(p.prompt, max_tokens=p.max_tokens, temperature=p.temperature,
+                              seed=p.seed, mode=mode)
+        return RunRecord(p.id, p.category, mode, repeat, out.stats, list(out.token_ids))
+
+    first = prompts[0]
+    warm = BenchPrompt("warm-up", "warm-up", first.prompt, min(16, first.max_tokens))
+    for mode in modes:  # excluded from timing
+        one(warm, mode, -1)
+    records: list[RunRecord] = []
+    bar = tqdm(total=len(prompts) * len(modes) * repeats, desc="bench", unit="run",
+               disable=not progress)
+    try:
+        for p in prompts:
+            for r in range(repeats):
+                ar_ids: list[int] | None = None
+                for mode in modes:
+                    bar.set_postfix_str(f"{p.id} {mode}")
+                    rec = one(p, mode, r)
+                    if mode == "ar":
+                        ar_ids = rec.token_ids
+                    elif ar_ids is not None and rec.token_ids is not None \
+                            and p.temperature == 0.0:
+                        rec.identical_to_ar = rec.token_ids == ar_ids
+                    records.append(rec)
+                    bar.update(1)
+    finally:
+        bar.close()
+    return records
+
+
+def machine_info(engine: Any) -> dict[str, Any]:
+    import llama_cpp  # noqa: PLC0415
+
+    from ..llama.backend import gpu_offload_supported  # noqa: PLC0415
+    from ..spec.index import gpu_available  # noqa: PLC0415
+
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            m = re.search(r"model name\s*:\s*(.+)", f.read())
+            cpu = m.group(1).strip() if m else cpu
+    except OSError:
+        pass
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "threads": engine.config.threads,
+        "platform": platform.platform(), "python": platform.python_version(),
+        "llama_cpp_python": llama_cpp.__version__,
+        "gpu_offload": gpu_offload_supported(), "n_gpu_layers": engine.config.n_gpu_layers,
+        "faiss_gpu": gpu_available(), "index_backend": engine.index_backend,
+        "model": engine.model_name, "model_file": Path(engine.model_path).name,
+    }
+
+
+def _peer_info(peers: Mapping[str, Peer]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for mode, peer in peers.items():
+        cmd = getattr(peer, "command", None)
+        out[mode] = {"command": display_command(cmd) if cmd else None,
+                     "binary": cmd[0] if cmd else None}
+    return out
+
+
+def main_bench(args: Any, engine_factory: Callable[[], Any]) -> int:
+    """`srsd-local bench`: run, print the table, write --json / --plot / --doc."""
+    prompts = first_per_category(load_workload(args.workload), args.max_prompts)
+    modes = parse_modes(args.modes)
+    if args.repeats < 1:
+        raise ValueError(f"--repeats {args.repeats}: accepted is an integer >= 1")
+    engine = engine_factory()
+    peers: dict[str, Peer] = {}
+    try:
+        modes, peers = start_peers(modes, PeerSettings.of(engine),
+                                   getattr(args, "llama_server", None))
+        records = run_bench(engine, prompts, modes, args.repeats, peers)
+        summary = summarise(records, modes)
+        summary["machine"] = machine_info(engine)
+        summary["config"] = engine.config.to_dict()
+        summary["peers"] = _peer_info({m: p for m, p in peers.items() if m in SERVER_MODES})
+    finally:
+        close_peers(peers)
+        engine.close()
+    summary["workload"] = args.workload
+    command = "srsd-local " + " ".join(sys.argv[1:])
+    summary["command"] = command
+    print(table(summary, modes))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(summary, indent=1), encoding="utf-8")
+    if args.plot:
+        plot(summary, modes, args.plot)
+    if args.doc:
+        write_doc(args.doc, args.label, doc_section(summary, modes, summary["machine"],
+                                                    command, args.label, args.workload))
+    return 0

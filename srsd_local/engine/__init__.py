@@ -1,0 +1,6 @@
+"""The engine layer: the token-only generation loop and what it emits."""
+
+from .engine import Engine, GenerationResult, StreamEvent, collect
+from .stats import GenerationStats
+
+__all__ = ["Engine", "GenerationResult", "GenerationStats", "StreamEvent", "collect"]

@@ -1,0 +1,65 @@
+"""The step-cost profile of a model on this machine: measured once, cached per model file,
+machine (CPU model and flags, GPU) and settings, corrected by real steps and saved back."""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+from functools import lru_cache
+
+from .. import store
+from ..config import SRSDConfig
+from ..llama.backend import Backend, device_names
+from ..spec.cost import CostModel
+
+PROFILE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
+
+@lru_cache(maxsize=1)
+def machine_id() -> str:
+    """CPU model and flags (a hash of them) and the machine type: a profile measured on one
+    machine is never used on another."""
+    cpu, flags = platform.processor(), ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    cpu = value.strip()
+                elif key.strip() in ("flags", "Features"):
+                    flags = value.strip()
+                    break
+    except OSError:
+        pass
+    digest = hashlib.sha1(flags.encode()).hexdigest()[:12]
+    return f"{platform.machine()}|{cpu}|{digest}"
+
+
+def profile_name(backend: Backend, cfg: SRSDConfig) -> tuple[str, str, list[int]]:
+    """(file name in the cache, full key, sizes to measure) for this model and machine."""
+    n_max = min(cfg.max_nodes + 1, backend.n_batch)
+    sizes = [n for n in PROFILE_SIZES if n < n_max] + [n_max]
+    key = "|".join(str(v) for v in ("v3", store.file_key(backend.model_path), machine_id(),
+                                    ",".join(device_names()), cfg.threads, cfg.n_gpu_layers,
+                                    backend.n_batch, sizes))
+    return hashlib.sha1(key.encode()).hexdigest() + ".json", key, sizes
+
+
+def load_cost_model(backend: Backend, cfg: SRSDConfig) -> tuple[CostModel, str, str]:
+    """(cost model, cache file name, key): the cached profile of this model on this machine
+    and settings, else one measured now (a second or two on a CPU)."""
+    name, key, sizes = profile_name(backend, cfg)
+    cached = store.read_json("profiles", name)
+    if isinstance(cached, dict) and cached.get("key") == key:
+        try:
+            return CostModel.from_dict(cached), name, key
+        except (KeyError, TypeError, ValueError):
+            pass  # unreadable: measure again
+    seconds, per_kv, ctx0 = backend.profile(sizes)
+    model = CostModel(sizes, seconds, per_kv, ctx0)
+    save_cost_model(model, name, key)
+    return model, name, key
+
+
+def save_cost_model(model: CostModel, name: str, key: str) -> None:
+    store.write_json("profiles", name, {"key": key, **model.to_dict()})

@@ -1,0 +1,132 @@
+"""P(drafted node accepted | parent accepted), from its retrieval evidence (depth, share of
+drafts through it, their strength, context agreement, recent acceptance), calibrated online
+from verification outcomes (Beta counts with back-off to coarser keys). Pure numpy."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .draft import origin_name
+from .tree import TokenTree
+
+
+def _bucket(x: float, edges: Sequence[float]) -> int:
+    for i, e in enumerate(edges):
+        if x < e:
+            return i
+    return len(edges)
+
+
+@dataclass
+class NodeEvidence:
+    depth: int
+    share: float  # drafts through this node / drafts through the root
+    strength: float  # mean weight of the drafts through this node
+    n_drafts: int  # drafts through the root
+    agree: int = 0  # longest context match (tokens up to the root) among those drafts
+    recent: float = 0.5  # how often the last trees of this generation got a token accepted
+    origin: str = ""  # the sources that proposed it ("srsd", "ngram", "srsd+ngram", ...)
+
+    def keys(self, source: str, greedy: bool) -> tuple[tuple, tuple]:
+        """(coarse, fine) keys; the node's own origin names its source when known."""
+        coarse = (self.origin or source, greedy, min(self.depth, 12),
+                  _bucket(self.recent, (0.25, 0.5, 0.75, 0.9)))
+        fine = coarse + (_bucket(self.share, (0.34, 0.67, 0.999)),
+                         _bucket(self.strength, (0.4, 0.6, 0.8, 0.9)),
+                         _bucket(self.agree, (2, 3, 5)))
+        return coarse, fine
+
+
+@dataclass
+class AcceptanceModel:
+    """P(node accepted | parent accepted), calibrated online.
+
+    `q()` is the posterior mean (what is reported as predicted acceptance); `q_explore()` adds
+    an optimism bonus that shrinks with the evidence seen, so kinds of nodes that were never
+    verified still get tried and calibrated instead of being ruled out by the prior.
+    """
+
+    prior: float = 0.4  # measured: weak srsd hits are accepted ~20%, strong ones ~80-100%
+    strength: float = 4.0  # pseudo-counts of the prior at each back-off level
+    bonus: float = 0.15
+    counts: dict = field(default_factory=dict)  # key -> [accepted, tried]
+
+    def _post(self, ev: NodeEvidence, source: str, greedy: bool) -> tuple[float, float]:
+        coarse, fine = ev.keys(source, greedy)
+        a, n_coarse = self.counts.get(coarse, (0, 0))
+        qc = (a + self.strength * self.prior) / (n_coarse + self.strength)
+        a, n = self.counts.get(fine, (0, 0))
+        return (a + self.strength * qc) / (n + self.strength), n_coarse
+
+    def q(self, ev: NodeEvidence, source: str, greedy: bool) -> float:
+        return self._post(ev, source, greedy)[0]
+
+    def q_explore(self, ev: NodeEvidence, source: str, greedy: bool) -> float:
+        """Optimistic by how little this depth (and recent-acceptance level) was tried: the
+        bonus follows the coarse key, which fills quickly, so it cannot compound down long
+        chains of rarely seen fine keys."""
+        mean, n = self._post(ev, source, greedy)
+        return min(1.0, mean + self.bonus / (1.0 + n) ** 0.5)
+
+    horizon: int = 2000  # older outcomes fade once a key has this many
+
+    def update(self, ev: NodeEvidence, source: str, greedy: bool, accepted: bool) -> None:
+        for key in ev.keys(source, greedy):
+            c = self.counts.setdefault(key, [0, 0])
+            c[0] += int(accepted)
+            c[1] += 1
+            if c[1] > self.horizon:
+                c[0], c[1] = c[0] / 2, c[1] / 2
+
+    def to_json(self) -> list:
+        return [[list(k), v] for k, v in self.counts.items()]
+
+    def load_json(self, data: list, cap: float | None = None) -> None:
+        """Add stored counts; with `cap`, each key counts as at most that many outcomes."""
+        for key, (a, n) in data:
+            if cap is not None and n > cap:
+                a, n = a * cap / n, cap
+            self.counts[tuple(key)] = [a, n]
+
+
+def evidence(tree: TokenTree, recent: float = 0.5) -> list[NodeEvidence | None]:
+    """Per node (None for the root): the features the acceptance model is keyed by."""
+    root_count = max(tree.counts[0], 1)
+    out: list[NodeEvidence | None] = [None]
+    for i in range(1, len(tree)):
+        c = max(tree.counts[i], 1)
+        out.append(NodeEvidence(tree.depths[i], tree.counts[i] / root_count,
+                                tree.weights[i] / c, root_count, tree.agree[i], recent,
+                                origin_name(tree.origin[i]) if tree.origin[i] else ""))
+    return out
+
+
+class DepthCalibration:
+    """A second, per-depth calibration on top of the node model: the ratio of measured to
+    predicted acceptance at each depth over recent trees (exponentially weighted). The node
+    features cannot see everything (a long copy in progress makes deep nodes near-certain);
+    this corrects what remains, so forecasts match outcomes depth by depth."""
+
+    def __init__(self, depths: int = 17, decay: float = 0.98, lo: float = 0.2,
+                 hi: float = 10.0) -> None:
+        self.pred = np.ones(depths)
+        self.act = np.ones(depths)
+        self.decay, self.lo, self.hi = decay, lo, hi
+
+    def scale(self) -> np.ndarray:
+        return np.clip(self.act / np.maximum(self.pred, 1e-9), self.lo, self.hi)
+
+    def update(self, raw_probs: Sequence[float], depths: Sequence[int], accepted_depth: int
+               ) -> None:
+        n = len(self.pred)
+        pred = np.zeros(n)
+        for p, d in zip(raw_probs, depths):
+            pred[min(d, n - 1)] += p
+        act = np.zeros(n)
+        act[1: min(accepted_depth, n - 1) + 1] = 1.0
+        touched = pred > 0
+        self.pred[touched] = self.decay * self.pred[touched] + pred[touched]
+        self.act[touched] = self.decay * self.act[touched] + act[touched]

@@ -1,0 +1,142 @@
+"""Step cost: t(n), seconds for one forward pass that decodes n tokens (n=1 is a plain step),
+from a profile taken at load and corrected online from real steps. Pure numpy.
+
+A profile measured while the machine was busy must not switch speculation off for good, so:
+
+- every measured point is kept raw and read through sanity bounds: t(1) <= t(n) <= n * t(1)
+  (one batch of n tokens never costs more than n plain steps), the cost per token never
+  grows with the batch, and t is monotone in n;
+- plain steps rescale the whole profile (the machine got faster or slower since it was
+  measured); bigger steps correct the points around their size; a step much faster than
+  its estimate replaces it at once (load on the machine only ever adds time), slower ones
+  move it slowly;
+- sizes whose cost has not been confirmed by a real step recently are `stale`: the
+  controller occasionally plans with an optimistic guess for them (`table(..., explore=True)`),
+  so a wrong estimate gets tested instead of ruling those trees out forever.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+STALE_STEPS = 2000  # a point not confirmed by a real step for this many steps is stale
+OPTIMISTIC_SLOPE = 0.1  # exploration guess: each extra token costs 0.1 plain step
+
+
+class CostModel:
+    """Latency of a step: t(n, L) = base(n) + per_kv * n * (L - L0) for n decoded tokens with
+    L tokens already in the context (attention grows with both); base(n) is profiled at a
+    short context L0, per_kv from one more measurement at a long one."""
+
+    def __init__(self, sizes: Sequence[int], seconds: Sequence[float], per_kv: float = 0.0,
+                 ctx0: int = 0, alpha: float = 0.1) -> None:
+        if len(sizes) == 0 or len(sizes) != len(seconds) or sizes[0] != 1:
+            raise ValueError("a cost profile needs sizes starting at 1 and one time per size")
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+        if np.any(np.diff(self.sizes) <= 0):
+            raise ValueError("cost profile sizes must increase")
+        self.raw = np.maximum(np.asarray(seconds, dtype=np.float64), 1e-6)  # as profiled
+        self.scale = 1.0  # how much slower the machine is now than when profiled
+        self.per_kv = max(float(per_kv), 0.0)
+        self.ctx0 = int(ctx0)
+        self.alpha = alpha
+        self.steps = 0  # steps observed
+        self.confirmed = np.full(len(self.sizes), -np.inf)  # step of the last confirmation
+        self.surprises = 0  # steps far faster than their estimate (estimate replaced)
+        self._update()
+
+    def _update(self) -> None:
+        """The estimates as read through the bounds: t(1) <= t(n) <= n t(1); the cost per
+        token never grows with the batch; an estimate never confirmed by a real step is at
+        most what a confirmed bigger batch cost; t is monotone in n. Scaled by how fast the
+        machine runs plain steps now."""
+        t1 = self.raw[0]
+        t = np.clip(self.raw, t1, t1 * self.sizes)
+        t = np.minimum.accumulate(t / self.sizes) * self.sizes
+        cap = np.inf
+        for k in range(len(t) - 1, -1, -1):
+            if np.isfinite(self.confirmed[k]):
+                cap = min(cap, t[k])
+            else:
+                t[k] = min(t[k], cap)
+        self.seconds = self.scale * np.maximum.accumulate(t)
+
+    def _base(self, n: np.ndarray, seconds: np.ndarray | None = None) -> np.ndarray:
+        sec = self.seconds if seconds is None else seconds
+        out = np.interp(n, self.sizes, sec)
+        if len(self.sizes) > 1:  # extrapolate past the last size with the last slope
+            s0, s1 = self.sizes[-2], self.sizes[-1]
+            slope = (sec[-1] - sec[-2]) / (s1 - s0)
+            out = np.where(n > s1, sec[-1] + slope * (n - s1), out)
+        return out
+
+    def t(self, n: int, ctx: int | None = None) -> float:
+        return float(self.table(n, ctx)[n])
+
+    def stale(self) -> np.ndarray:
+        """Per profile point: not confirmed by a real step within STALE_STEPS steps."""
+        return self.steps - self.confirmed > STALE_STEPS
+
+    def table(self, n_max: int, ctx: int | None = None, explore: bool = False) -> np.ndarray:
+        """t(n) for n = 0..n_max at context length ctx (index 0 unused). With `explore`, stale
+        points take an optimistic guess (never above their estimate)."""
+        n = np.arange(n_max + 1)
+        sec = self.seconds
+        if explore:
+            guess = self.seconds[0] * (1.0 + OPTIMISTIC_SLOPE * (self.sizes - 1))
+            sec = np.maximum.accumulate(np.where(self.stale(), np.minimum(sec, guess), sec))
+        extra = self.per_kv * n * max(0, (ctx if ctx is not None else self.ctx0) - self.ctx0)
+        return self._base(n, sec) + extra
+
+    def can_explore(self, n_max: int) -> bool:
+        """Whether some size up to n_max is stale (worth an exploratory plan)."""
+        upto = self.sizes <= max(n_max, 1)
+        return bool(np.any(self.stale() & upto))
+
+    def observe(self, n: int, seconds: float, ctx: int | None = None) -> None:
+        """Correct the profile with a measured step time: a plain step (n=1) rescales the
+        whole profile (the machine got faster or slower), a bigger one corrects the points
+        around n. A step far faster than its estimate replaces it at once (load on the
+        machine only ever adds time); slower ones move it by `alpha`."""
+        self.steps += 1
+        if ctx is not None:
+            seconds -= self.per_kv * n * max(0, ctx - self.ctx0)
+        seconds = max(seconds, 1e-6)
+        if n == 1:
+            target = seconds / self.raw[0]
+            if seconds < 0.5 * self.seconds[0]:
+                self.scale = target
+                self.surprises += 1
+            else:
+                self.scale += self.alpha * (target - self.scale)
+            self.confirmed[0] = self.steps
+            self._update()
+            return
+        seconds /= self.scale  # in the profile's units
+        view = self.seconds / self.scale
+        idx = int(np.searchsorted(self.sizes, n))
+        if idx < len(self.sizes) and self.sizes[idx] == n:
+            points, err = [idx], seconds - view[idx]
+        else:
+            lo, hi = max(idx - 1, 0), min(idx, len(self.sizes) - 1)
+            points = sorted({lo, hi} - {0})
+            err = seconds - float(self._base(np.array([n]), view)[0])
+        for j in points:
+            if seconds < 0.5 * view[j]:  # far faster than believed: believe it now
+                self.raw[j] = min(self.raw[j], view[j] + err)
+                self.surprises += 1
+            else:
+                self.raw[j] = view[j] + self.alpha * err / len(points)
+            self.raw[j] = max(self.raw[j], 1e-6)
+            self.confirmed[j] = self.steps
+        self._update()
+
+    def to_dict(self) -> dict:
+        return {"sizes": self.sizes.tolist(), "seconds": (self.raw * self.scale).tolist(),
+                "per_kv": self.per_kv, "ctx0": self.ctx0}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostModel:
+        return cls(d["sizes"], d["seconds"], d.get("per_kv", 0.0), d.get("ctx0", 0))

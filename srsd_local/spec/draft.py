@@ -1,0 +1,63 @@
+"""The drafter interface: `propose` gives weighted drafts, `draft` merges them into a pruned
+token tree rooted at the known next token. Pure numpy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import SRSDConfig
+from .index import VectorIndex
+from .tree import TokenTree
+
+Proposal = tuple[np.ndarray, float, int]
+# draft sources: their bits in TokenTree.origin, and the names the acceptance model keys by
+ORIGINS = {1: "srsd", 2: "ngram", 4: "pld"}
+
+
+def origin_name(bits: int) -> str:
+    """"srsd", "ngram", "srsd+ngram", ... for a node's origin bitmask."""
+    return "+".join(name for bit, name in ORIGINS.items() if bits & bit) or "none"
+_MAX_AGREE = 8
+
+
+@dataclass
+class DraftInput:
+    tokens: np.ndarray  # int32 context tokens in the KV cache, positions 0..n-1
+    root: int  # the known next token (position n), not yet in the KV cache
+    query: np.ndarray | None  # hidden row of position n-1
+    index: VectorIndex | None
+
+
+class Drafter:
+    """Base: `propose` gives weighted drafts, `draft` merges them into a pruned tree.
+
+    `origin` is the source's bit in a tree's per-node bitmask (see ORIGINS), so the
+    acceptance model can tell which sources proposed a node."""
+
+    name = "none"
+    origin = 0
+
+    def __init__(self, config: SRSDConfig) -> None:
+        self.config = config
+
+    def propose(self, inp: DraftInput) -> list[Proposal]:
+        return []
+
+    def tagged(self, inp: DraftInput) -> list[tuple[Proposal, int]]:
+        """Proposals with the bit of the source that made each one."""
+        return [(p, self.origin) for p in self.propose(inp)]
+
+    def draft(self, inp: DraftInput, max_nodes: int | None = None) -> TokenTree:
+        cfg = self.config
+        tree = TokenTree(inp.root)
+        for (path, weight, agree), origin in self.tagged(inp):
+            if len(path):
+                tree.insert(path[: cfg.draft_depth], weight, agree, origin)
+        budget = cfg.max_nodes if max_nodes is None else max_nodes
+        if tree.n_draft <= budget and max(tree.depths) <= cfg.draft_depth:
+            leaves = sum(1 for i in range(len(tree)) if not tree.children(i))
+            if leaves <= cfg.max_branches:
+                return tree
+        return tree.prune(budget, cfg.draft_depth, cfg.max_branches)

@@ -1,0 +1,30 @@
+"""Hidden-state retrieval (SRSD): the hidden state of the last processed position queries the
+index; a hit `j` counts only if `ctx[j+1]` is the known next token; `ctx[j+2 : j+2+D]` is its
+draft, weighted by similarity."""
+
+from __future__ import annotations
+
+from .draft import _MAX_AGREE, Drafter, DraftInput, Proposal
+
+
+class SemanticDrafter(Drafter):
+    name = "srsd"
+    origin = 1
+
+    def propose(self, inp: DraftInput) -> list[Proposal]:
+        cfg = self.config
+        if inp.index is None or inp.query is None or len(inp.index) == 0:
+            return []
+        hits = inp.index.search(inp.query, cfg.top_k)
+        ctx = inp.tokens
+        n = len(ctx)
+        out: list[Proposal] = []
+        for j, score in zip(hits.positions.tolist(), hits.scores.tolist()):
+            if score < cfg.min_similarity or j + 2 >= n or ctx[j + 1] != inp.root:
+                continue
+            agree = 1  # the root itself; then the tokens before it
+            while agree < _MAX_AGREE and j - agree + 1 >= 0 and \
+                    ctx[j - agree + 1] == ctx[n - agree]:
+                agree += 1
+            out.append((ctx[j + 2: j + 2 + cfg.draft_depth], float(score), agree))
+        return out

@@ -1,0 +1,149 @@
+"""The Speculator: what to verify at each step, and learning from what was accepted.
+
+Lifecycle (one Speculator per engine, one `Request` per generation):
+
+- `begin(mode, greedy)` starts a generation and returns its per-request state;
+- `propose(req, inp, room)` drafts a tree rooted at the known next token and lets the
+  controller keep the sub-tree that pays for itself; it returns a `Plan` to verify, or None
+  for a plain step;
+- `observe(req, plan, path, seconds, ctx)` learns from the outcome: acceptance counts,
+  per-depth calibration, the step's cost, and the request's back-off state.
+
+State shared by all generations (acceptance and cost models, depth calibration) lives on the
+Speculator; state of one generation (recent acceptance, back-off) lives on its `Request`, so
+several generations can run side by side. Pure numpy: no llama.cpp here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import MODES, SRSDConfig
+from .acceptance import AcceptanceModel, DepthCalibration, NodeEvidence, evidence
+from .cost import CostModel
+from .draft import Drafter, DraftInput
+from .drafters import NgramModDrafter, make_drafter
+from .planner import Plan, choose
+from .tree import TokenTree
+
+RECENT_RATE = 0.3  # EMA weight of the last verified tree's outcome
+RECENT_DRIFT = 0.05  # per plain step, towards neutral, so drafting gets retried
+MAX_SKIP = 8  # steps without drafting after plans kept being declined
+EXPLORE_GAP = 50  # steps between plans that try a stale cost estimate optimistically
+SEED_TRIALS = 10  # calibration seeds count at most this many outcomes per kind of node
+INDEXED_MODES = ("retrieval", "srsd", "hybrid")  # modes that query the hidden-state index
+
+
+@dataclass
+class Request:
+    """The speculation state of one generation."""
+
+    mode: str
+    greedy: bool
+    recent: float = 0.5  # EMA: did the last verified trees get a token accepted?
+    declined: int = 0  # plans in a row the controller declined
+    skip: int = 0  # steps not to draft
+
+    @property
+    def uses_index(self) -> bool:
+        return self.mode in INDEXED_MODES
+
+
+def unplanned(tree: TokenTree, recent: float) -> Plan:
+    """A tree verified as drafted (no controller): no forecast."""
+    ev = evidence(tree, recent)
+    return Plan(tree, [], ev, 0.0, [])
+
+
+class Speculator:
+    def __init__(self, config: SRSDConfig, cost: CostModel | None = None,
+                 acceptance: AcceptanceModel | None = None) -> None:
+        self.config = config
+        # without a measured profile, verification is assumed as cheap as a plain step
+        self.cost = cost or CostModel([1, 2], [1.0, 1.0])
+        self.acceptance = acceptance or AcceptanceModel()
+        self.depth_calibration: dict[tuple[str, bool], DepthCalibration] = {}
+        self.drafters = self._make_drafters(config)
+        self._explored_at = -EXPLORE_GAP  # cost.steps at the last exploratory plan
+        self._surprises = 0  # cost.surprises when last looked at
+
+    @staticmethod
+    def _make_drafters(config: SRSDConfig) -> dict[str, Drafter | None]:
+        pool = NgramModDrafter(config)  # one n-gram pool serves every mode that uses it
+        return {m: make_drafter(m, config, pool) for m in MODES}
+
+    def reconfigure(self, config: SRSDConfig) -> None:
+        self.config = config
+        self.drafters = self._make_drafters(config)
+
+    def begin(self, mode: str, greedy: bool) -> Request:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}: accepted are {', '.join(MODES)}")
+        return Request(mode, greedy)
+
+    def room(self, req: Request, free: int) -> int:
+        """Drafted nodes a tree may have when `free` context cells remain after the root."""
+        drafter = self.drafters[req.mode]
+        return 0 if drafter is None else max(0, min(drafter.config.max_nodes, free))
+
+    def propose(self, req: Request, inp: DraftInput, room: int) -> Plan | None:
+        """The tree to verify this step (rooted at inp.root), or None for a plain step."""
+        drafter = self.drafters[req.mode]
+        if drafter is None or room <= 0:
+            return None
+        if req.skip > 0:  # the controller kept declining: look again later, not every step
+            req.skip -= 1
+            return None
+        tree = drafter.draft(inp, max_nodes=room)
+        if not tree.n_draft:
+            return None
+        if not drafter.config.adaptive:
+            return unplanned(tree, req.recent)
+        plan = self._plan(tree, req, room, inp.tokens.shape[0])
+        req.declined = 0 if plan.tree.n_draft else req.declined + 1
+        req.skip = min(2 ** req.declined // 2, MAX_SKIP)
+        return plan if plan.tree.n_draft else None
+
+    def _plan(self, tree: TokenTree, req: Request, room: int, ctx: int) -> Plan:
+        ev = evidence(tree, req.recent)
+        acc = self.acceptance
+        q = [1.0] + [acc.q_explore(e, req.mode, req.greedy) for e in ev[1:]]
+        q_mean = [1.0] + [acc.q(e, req.mode, req.greedy) for e in ev[1:]]
+        n_max = min(room, len(tree) - 1) + 1
+        if self.cost.surprises != self._surprises:  # an estimate was far too high: look
+            self._surprises = self.cost.surprises  # for more of them right away
+            self._explored_at = -EXPLORE_GAP
+        explore = (self.cost.steps - self._explored_at >= EXPLORE_GAP
+                   and self.cost.can_explore(n_max))
+        if explore:  # an unconfirmed cost estimate must not rule big trees out for good
+            self._explored_at = self.cost.steps
+        cost = self.cost.table(n_max, ctx, explore=explore)
+        dc = self.depth_calibration.setdefault((req.mode, req.greedy), DepthCalibration())
+        return choose(tree, q, cost, self.config.max_branches, q_mean, dc.scale(), ev)
+
+    def observe(self, req: Request, plan: Plan | None, path: list[int], seconds: float,
+                ctx: int) -> None:
+        """Learn from one step: `plan` was verified (None: a plain step), `path` are the
+        accepted node indices from the root, the step took `seconds` at context length
+        `ctx`."""
+        if plan is None:
+            req.recent += RECENT_DRIFT * (0.5 - req.recent)
+            n = 1
+        else:
+            tree = plan.tree
+            if plan.probs:
+                self.depth_calibration[(req.mode, req.greedy)].update(
+                    plan.raw_probs[1:], tree.depths[1:], len(path) - 1)
+            self._learn(tree, plan.evidence, path, req)
+            req.recent += RECENT_RATE * (float(len(path) > 1) - req.recent)
+            n = len(tree)
+        if self.config.adaptive:
+            self.cost.observe(n, seconds, ctx)
+
+    def _learn(self, tree: TokenTree, ev: list[NodeEvidence | None], path: list[int],
+               req: Request) -> None:
+        """Every verified node whose parent was accepted is one outcome for calibration."""
+        on_path = set(path)
+        for node in range(1, len(tree)):
+            if tree.parents[node] in on_path:
+                self.acceptance.update(ev[node], req.mode, req.greedy, node in on_path)

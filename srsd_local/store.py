@@ -1,0 +1,70 @@
+"""Everything srsd-local writes under the user's cache directory, written atomically.
+
+Layout of the cache directory (``environment().cache_dir``):
+
+- ``profiles/<key>.json``: measured step costs of a model on a machine (the cost model)
+- ``acceptance/<model>.json``: acceptance counts learned by earlier runs
+- ``calibration/<model>.json``: the calibrated retrieval layer and tree settings
+- ``capture/capture-<hash>.so``: the compiled eval callback
+- ``models/``: the assembled default model when there is no source checkout
+
+Every write goes to a temporary file in the same folder and is renamed into place, so a
+crash never leaves a half-written file; a file that cannot be parsed reads as missing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .config import environment
+
+KINDS = ("profiles", "acceptance", "calibration", "capture", "models", "llama-server")
+
+
+def cache_dir() -> Path:
+    return environment().cache_dir
+
+
+def path(kind: str, name: str) -> Path:
+    """The file `name` of one kind of cached data (see KINDS)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown cache kind {kind!r}: accepted are {', '.join(KINDS)}")
+    return cache_dir() / kind / name
+
+
+def write_bytes(target: Path, data: bytes) -> Path:
+    """Write `data` to `target` atomically (temp file in the same folder + rename)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def write_json(kind: str, name: str, data: Any) -> Path:
+    return write_bytes(path(kind, name), json.dumps(data, indent=1).encode("utf-8"))
+
+
+def read_json(kind: str, name: str) -> Any | None:
+    """The stored value, or None when the file is missing or unreadable."""
+    try:
+        return json.loads(path(kind, name).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def file_key(file: str | Path) -> str:
+    """Identifies one file's content cheaply: its resolved path, size and mtime."""
+    p = Path(file).resolve()
+    st = p.stat()
+    return hashlib.sha1(f"{p}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
