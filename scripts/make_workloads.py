@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Build the benchmark workload files in ``srsd_local/workloads/`` from public text.
+"""Build the benchmark workload files in ``srsd_local/bench/workloads/`` from public text.
 
 Besides the five benchmark files it writes ``calibration.jsonl``: prompts of the same five
 kinds, built the same way from other source texts, that seed the controller's acceptance model
@@ -41,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT_DIR = REPO_ROOT / "srsd_local" / "workloads"
+DEFAULT_OUT_DIR = REPO_ROOT / "srsd_local" / "bench" / "workloads"
 
 PROMPTS_PER_FILE = 8
 MAX_TOKENS = 128

@@ -7,6 +7,8 @@ Layout of the cache directory (``environment().cache_dir``):
 - ``calibration/<model>.json``: the calibrated retrieval layer and tree settings
 - ``capture/capture-<hash>.so``: the compiled eval callback
 - ``models/``: the assembled default model when there is no source checkout
+- ``llama-server/<version>/llama-server``: llama.cpp's server, built for the benchmark's
+  peer modes by scripts/build_llama_server.sh
 
 Every write goes to a temporary file in the same folder and is renamed into place, so a
 crash never leaves a half-written file; a file that cannot be parsed reads as missing.

@@ -114,6 +114,9 @@ class FakeBackend:
             self.n_past = max(pos) + 1
         return DecodeOutput(np.array(logits, dtype=np.float32), np.array(hidden))
 
+    def step(self, token: int) -> DecodeOutput:
+        return self.decode([token])
+
     def fork(self, n_branches: int) -> None:
         for s in range(1, n_branches):
             self.seqs[s] = list(self.seqs[0])

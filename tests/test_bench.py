@@ -479,10 +479,12 @@ def test_main_bench_closes_the_engine_on_error(tmp_path):
 
 
 # -- real runs ---------------------------------------------------------------------------------
-def _bench(tmp_path: Path, modes: str, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
+def _bench(tmp_path: Path, modes: str, *extra: str,
+           prompt: str = "a = [1, 2, 3]\nb = [1, 2, 3]\nc = [1, 2,"
+           ) -> tuple[subprocess.CompletedProcess, Path]:
     w = tmp_path / "w.jsonl"
     w.write_text(json.dumps({"id": "x", "category": "code_edit", "max_tokens": 24,
-                             "prompt": "a = [1, 2, 3]\nb = [1, 2, 3]\nc = [1, 2,"}) + "\n")
+                             "prompt": prompt}) + "\n")
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, "-m", "srsd_local.cli", "bench", "--workload",
                            str(w), "--modes", modes, "--json", str(out), *extra],
@@ -525,12 +527,14 @@ def _built_llama_server() -> Path | None:
 @pytest.mark.skipif(_built_llama_server() is None,
                     reason="no llama-server built (scripts/build_llama_server.sh)")
 def test_real_llama_server_peers_match_plain_decoding(tmp_path):
+    # a block repeated: --spec-default (ngram-mod) drafts only after a 24-token match
+    block = "def area(width, height):\n    return width * height\n\n\n"
     proc, out = _bench(tmp_path, "ar,llama-server,llama-server-spec", "--llama-server",
-                       str(_built_llama_server()))
+                       str(_built_llama_server()), prompt=block * 4 + "def area(")
     data = json.loads(out.read_text())
     plain, spec = data["modes"]["llama-server"], data["modes"]["llama-server-spec"]
     assert plain["tokens"] == spec["tokens"] == 24 and plain["tokens_per_second"] > 0
-    assert plain["identical_to_ar"] == (1, 1)
+    assert plain["identical_to_ar"] == [1, 1]
     assert spec["draft_tokens"] > 0 and spec["acceptance_rate"] is not None
     assert "--spec-default" in data["peers"]["llama-server-spec"]["command"]
     assert "| overall | llama-server-spec |" in proc.stdout

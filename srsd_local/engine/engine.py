@@ -290,7 +290,7 @@ class Engine:
 
             # 4. verify in one forward pass and walk the tree
             if plan is None:
-                dec = be.decode([x])
+                dec = be.step(x)
                 path, y, path_tokens = [0], sampler(dec.logits[0]), [x]
             else:
                 lay = plan.tree.layout()

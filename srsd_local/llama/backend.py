@@ -157,6 +157,7 @@ class Backend:
             self._b_seq = [np.ctypeslib.as_array(self._batch.seq_id[i], shape=(config.n_seq_max,))
                            for i in range(cap)]
             self._piece_cache: dict[int, bytes] = {}
+            self._views: dict[tuple[int | None, int], np.ndarray] = {}
             self.n_past = 0  # tokens of sequence 0 in the KV cache
             self.decode_seconds = 0.0  # time spent inside llama_decode, ever
         except BaseException:
@@ -279,8 +280,7 @@ class Backend:
             self._decode_batch(e - s)
             n_out = int(flags[s:e].sum())
             if n_out:
-                ptr = self._L.llama_get_logits(self.ctx)
-                logits_parts.append(np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab)))
+                logits_parts.append(self._logits(n_out))
             if self.capture is not None:
                 hidden_parts.append(self.capture.rows())
         if seq_ids is None:  # a plain decode of sequence 0; tree passes end with commit()
@@ -292,6 +292,37 @@ class Backend:
         if hidden_parts and all(h is not None for h in hidden_parts):
             hidden = hidden_parts[0] if len(hidden_parts) == 1 else np.concatenate(hidden_parts)
         return DecodeOutput(logits=logits, hidden=hidden)
+
+    def step(self, token: int) -> DecodeOutput:
+        """Decode one token of sequence 0 at n_past with its logits: the plain step, without
+        the general path's allocations."""
+        if self.n_past >= self.n_ctx:
+            raise ContextFullError(f"context is full: {self.n_past + 1} tokens, "
+                                   f"n_ctx={self.n_ctx}")
+        b = self._batch
+        b.n_tokens = 1
+        self._b_tok[0] = token
+        self._b_pos[0] = self.n_past
+        self._b_logits[0] = 1
+        self._b_nseq[0] = 1
+        self._b_seq[0][0] = 0
+        if self.capture is not None:
+            self.capture.reset()
+        self._decode_batch(1)
+        self.n_past += 1
+        return DecodeOutput(self._logits(1), None if self.capture is None
+                            else self.capture.rows())
+
+    def _logits(self, n_out: int) -> np.ndarray:
+        """The logits rows of the last decode as an array view (views cached per address)."""
+        ptr = self._L.llama_get_logits(self.ctx)
+        key = (ctypes.cast(ptr, ctypes.c_void_p).value, n_out)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) > 64:
+                self._views.clear()
+            view = self._views[key] = np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))
+        return view
 
     def _fill(self, toks: np.ndarray, pos: np.ndarray, seq_ids, flags: np.ndarray) -> None:
         m = len(toks)

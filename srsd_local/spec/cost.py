@@ -47,11 +47,14 @@ class CostModel:
         self.surprises = 0  # steps far faster than their estimate (estimate replaced)
         self._update()
 
-    def _update(self) -> None:
+    def _update(self, shape_changed: bool = True) -> None:
         """The estimates as read through the bounds: t(1) <= t(n) <= n t(1); the cost per
         token never grows with the batch; an estimate never confirmed by a real step is at
         most what a confirmed bigger batch cost; t is monotone in n. Scaled by how fast the
         machine runs plain steps now."""
+        if not shape_changed:
+            self.seconds = self.scale * self._shape
+            return
         t1 = self.raw[0]
         t = np.clip(self.raw, t1, t1 * self.sizes)
         t = np.minimum.accumulate(t / self.sizes) * self.sizes
@@ -61,7 +64,8 @@ class CostModel:
                 cap = min(cap, t[k])
             else:
                 t[k] = min(t[k], cap)
-        self.seconds = self.scale * np.maximum.accumulate(t)
+        self._shape = np.maximum.accumulate(t)
+        self.seconds = self.scale * self._shape
 
     def _base(self, n: np.ndarray, seconds: np.ndarray | None = None) -> np.ndarray:
         sec = self.seconds if seconds is None else seconds
@@ -111,8 +115,9 @@ class CostModel:
                 self.surprises += 1
             else:
                 self.scale += self.alpha * (target - self.scale)
+            first = not np.isfinite(self.confirmed[0])
             self.confirmed[0] = self.steps
-            self._update()
+            self._update(shape_changed=first)
             return
         seconds /= self.scale  # in the profile's units
         view = self.seconds / self.scale
