@@ -38,11 +38,90 @@ def stats_line(stats) -> str:
             f"{stats.acceptance_rate:.0%} · mode {stats.mode}")
 
 
+# Few-shot edits (original, instruction, edited): the default model is a small base model,
+# not instruction-tuned; worked examples of the same shape make it apply simple edits such as
+# renames instead of copying the original unchanged.
+CODE_EXAMPLES = {
+    "python": [
+        ('def greet(name):\n    """Greeting for name."""\n    message = "Hello, " + name\n'
+         '    return message', "rename message to text",
+         'def greet(name):\n    """Greeting for name."""\n    text = "Hello, " + name\n'
+         '    return text'),
+        ('def scale(xs, factor):\n    """Each x times factor."""\n'
+         '    out = [x * factor for x in xs]\n    return out', "rename factor to k",
+         'def scale(xs, k):\n    """Each x times k."""\n    out = [x * k for x in xs]\n'
+         '    return out'),
+        ('def perimeter(a, b):\n    """Perimeter of a rectangle."""\n    total = 2 * (a + b)\n'
+         '    return total', "rename total to p",
+         'def perimeter(a, b):\n    """Perimeter of a rectangle."""\n    p = 2 * (a + b)\n'
+         '    return p'),
+    ],
+    "javascript": [
+        ('function greet(name) {\n  // Greeting for name.\n  const message = "Hello, " + name;\n'
+         '  return message;\n}', "rename message to text",
+         'function greet(name) {\n  // Greeting for name.\n  const text = "Hello, " + name;\n'
+         '  return text;\n}'),
+        ('function scale(xs, factor) {\n  // Each x times factor.\n'
+         '  const out = xs.map((x) => x * factor);\n  return out;\n}', "rename factor to k",
+         'function scale(xs, k) {\n  // Each x times k.\n  const out = xs.map((x) => x * k);\n'
+         '  return out;\n}'),
+        ('function perimeter(a, b) {\n  // Perimeter of a rectangle.\n'
+         '  const total = 2 * (a + b);\n  return total;\n}', "rename total to p",
+         'function perimeter(a, b) {\n  // Perimeter of a rectangle.\n  const p = 2 * (a + b);\n'
+         '  return p;\n}'),
+    ],
+}
+TEXT_EXAMPLES = [
+    ("The wether was nice, so we went for a walck in the park.", "fix the typos",
+     "The weather was nice, so we went for a walk in the park."),
+    ("Alice met Bob at the station.\nBob was late.", "rename Bob to Carol",
+     "Alice met Carol at the station.\nCarol was late."),
+    ("We will meet on monday.\nPlease bring the report.", "capitalize the day",
+     "We will meet on Monday.\nPlease bring the report."),
+]
+# the marker of the prompt's header lines: a comment in code; in prose one that markdown
+# headings ("#") do not collide with
+COMMENT = {"python": "#", "javascript": "//"}
+PROSE_MARK = "=="
+
+
+def _edit_parts(instruction: str, language: str) -> tuple[str, str, str]:
+    """(comment marker, header line of the edited version, end marker)."""
+    mark = COMMENT.get(language, PROSE_MARK)
+    what = instruction.strip().rstrip(".")
+    return mark, f"{mark} {what[:1].upper()}{what[1:]}:", f"{mark} End"
+
+
 def edit_prompt(original: str, instruction: str, language: str) -> str:
-    fence = language if language != "text" else ""
-    what = "code" if language != "text" else "text"
-    return (f"Below is some {what}.\n```{fence}\n{original.rstrip()}\n```\n"
-            f"The same {what} after this edit: {instruction.strip()}.\n```{fence}\n")
+    """A few-shot prompt: worked edits, then `original` and the instruction; the model
+    continues with the edited version (cut it with `edit_stop`)."""
+    mark = COMMENT.get(language, PROSE_MARK)
+    examples = CODE_EXAMPLES.get(language, TEXT_EXAMPLES if language in ("text", "markdown")
+                                 else CODE_EXAMPLES["python"])
+
+    def block(orig: str, instr: str) -> str:
+        return f"{mark} Original\n{orig.rstrip()}\n\n{_edit_parts(instr, language)[1]}\n"
+
+    shots = "".join(f"{block(o, i)}{e}\n{_edit_parts(i, language)[2]}\n\n"
+                    for o, i, e in examples)
+    return shots + block(original, instruction)
+
+
+def edit_stop(instruction: str, language: str) -> list[str]:
+    """Where the edited version ends: the end marker, or a new example starting."""
+    mark, header, end = _edit_parts(instruction, language)
+    return [f"\n{end}", f"\n{mark} Original", f"\n{header}"]
+
+
+def edit_max_tokens(n_original_tokens: int) -> int:
+    return min(4 * n_original_tokens + 64, 4096)
+
+
+def edited_text(generated: str, original: str) -> str:
+    """The edited version as shown: trailing blank lines dropped, and the final newline as in
+    the original (the end marker's newline is not part of the text)."""
+    text = generated.rstrip()
+    return text + "\n" if text and original.endswith("\n") else text
 
 
 def unified_diff(original: str, edited: str) -> str:
@@ -190,14 +269,15 @@ def build_ui(service: Service):
                 raise gr.Error("Give both the original and an instruction.")
             n = len(st.service.engine.tokenize(orig)) if st.service.engine else 256
             return _request("completion", prompt=edit_prompt(orig, instr, lang),
-                            max_tokens=min(4 * n + 64, 4096), temperature=0.0, mode=mode_v,
-                            stop=["```"])
+                            max_tokens=edit_max_tokens(n), temperature=0.0, mode=mode_v,
+                            stop=edit_stop(instr, lang))
 
         async def edit(orig, instr, lang, mode_v):
             req = _edit_req(orig, instr, lang, mode_v)
             text, stats = "", None
             async for text, _pieces, stats in st.run(req):
                 yield text, stats_line(stats), "", *_plots(stats)
+            text = edited_text(text, orig)
             yield text, stats_line(stats), unified_diff(orig, text), *_plots(stats)
 
         async def compare(orig, instr, lang):
@@ -205,7 +285,7 @@ def build_ui(service: Service):
             for m in ("ar", "srsd"):
                 last = None
                 async for text, _p, stats in st.run(_edit_req(orig, instr, lang, m)):
-                    texts[m], last = text, stats
+                    texts[m], last = edited_text(text, orig), stats
                 rows.append((m, last))
             (_, a), (_, s) = rows
             speedup = s.tokens_per_second / a.tokens_per_second if a.tokens_per_second else 0

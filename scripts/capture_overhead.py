@@ -13,8 +13,8 @@ import time
 
 import numpy as np
 
-from srsd_local.llama.backend import Backend
 from srsd_local.config import SRSDConfig
+from srsd_local.llama.backend import Backend
 from srsd_local.llama.models import resolve_model
 
 

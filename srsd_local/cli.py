@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-prompts", type=int, default=4)
     c.add_argument("--max-tokens", type=int, default=64)
     c.add_argument("--layers", default=None, help="comma-separated layer indices to try")
+    c.add_argument("--seeds-only", action="store_true",
+                   help="keep the calibrated layer, top-k and depth; measure only the "
+                        "acceptance seeds of every draft source")
     c.set_defaults(func=_cmd_calibrate)
 
     u = sub.add_parser("ui", help="the Gradio chat and editor UI")
@@ -143,15 +146,21 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_calibrate(args: argparse.Namespace) -> int:
     from .bench.workloads import load_workload  # noqa: PLC0415
     from .engine import Engine  # noqa: PLC0415
-    from .engine.calibrate import calibrate  # noqa: PLC0415
+    from .engine.calibrate import calibrate, reseed  # noqa: PLC0415
     from .llama.models import resolve_model  # noqa: PLC0415
 
     path = str(resolve_model(args.model))
     prompts = load_workload(args.workload)[: args.max_prompts]
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     cfg = _engine_config(args)
-    res = calibrate(lambda **kw: Engine.load(path, **cfg, **kw), path, prompts, layers=layers,
-                    max_tokens=args.max_tokens, progress=lambda s: print(s, file=sys.stderr))
+    load = lambda **kw: Engine.load(path, learned=False, **cfg, **kw)  # noqa: E731
+    say = lambda s: print(s, file=sys.stderr)  # noqa: E731
+    if args.seeds_only:
+        res = reseed(load, path, prompts, max_tokens=args.max_tokens, progress=say)
+        print(f"acceptance seeds stored in {res['path']}")
+        return 0
+    res = calibrate(load, path, prompts, layers=layers, max_tokens=args.max_tokens,
+                    progress=say)
     print(f"best: layer {res['layer']} of {res['n_layer']}, top_k {res['top_k']}, draft_depth "
           f"{res['draft_depth']}; stored in {res['path']}")
     return 0

@@ -57,10 +57,10 @@ def _diverged(a: np.ndarray, k: int) -> np.ndarray:
 def test_no_draft_when_the_certain_continuation_is_shorter_than_n_min():
     a = _rand(80, 2)
     seq = _diverged(a, 30)  # root a[30]: 49 certain followers, enough for 48
-    path, _, _ = _one(NgramModDrafter(CFG).propose(_inp(seq, len(seq) - 1)))
+    path, _, _ = _one(NgramModDrafter(CFG, n_min=48).propose(_inp(seq, len(seq) - 1)))
     assert path.tolist() == a[31: 31 + CFG.draft_depth].tolist()
     seq = _diverged(a, 40)  # 39 certain followers: not enough
-    assert NgramModDrafter(CFG).propose(_inp(seq, len(seq) - 1)) == []
+    assert NgramModDrafter(CFG, n_min=48).propose(_inp(seq, len(seq) - 1)) == []
     path, _, _ = _one(NgramModDrafter(CFG, n_min=8).propose(_inp(seq, len(seq) - 1)))
     assert path.tolist() == a[41: 41 + CFG.draft_depth].tolist()
     # fewer than n_match tokens of `a` again: its key was never seen, nothing to draft

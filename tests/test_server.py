@@ -20,10 +20,12 @@ PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"
 
 
 @pytest.fixture(scope="module")
-def server():
-    proc, base, saw_503 = start_cli_server(
-        ["serve", "--api-key", KEY, "--max-queue", "8", "--alias", "gemma-test", "--no-ui",
-         "--n-ctx", "2048"])
+def server(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:  # the server's caches: not the user's
+        mp.setenv("SRSD_CACHE_DIR", str(tmp_path_factory.mktemp("srsd-cache")))
+        proc, base, saw_503 = start_cli_server(
+            ["serve", "--api-key", KEY, "--max-queue", "8", "--alias", "gemma-test", "--no-ui",
+             "--n-ctx", "2048"])
     yield {"base": base.rstrip("/"), "saw_503": saw_503, "proc": proc}
     proc.terminate()
     proc.wait(timeout=30)
@@ -50,6 +52,18 @@ def test_health_and_models(server, client):
     assert httpx.get(server["base"] + "/health").json()["status"] == "ok"
     ids = [m.id for m in client.models.list().data]
     assert ids == ["gemma-test"]
+
+
+def test_openapi_documents_the_request_bodies(server):
+    spec = httpx.get(server["base"] + "/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+    for path, field in (("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")):
+        body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        schema = schemas[body["schema"]["$ref"].rsplit("/", 1)[1]]
+        assert field in schema["required"]
+        assert {"max_tokens", "temperature", "stop", "stream", "srsd"} <= set(schema["properties"])
+    assert "/ui" not in spec["paths"]  # --no-ui
+    assert httpx.get(server["base"] + "/ui/").status_code == 404
 
 
 def test_completion_matches_engine_and_usage_matches_tokenizer(client, engine):

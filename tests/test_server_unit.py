@@ -335,3 +335,43 @@ def test_the_api_does_not_import_the_ui():
     code = ("import sys, srsd_local.app.server, srsd_local.app.service; "
             "assert 'srsd_local.app.ui' not in sys.modules and 'gradio' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_dropped_client_stops_its_generation_through_the_body_middleware():
+    import time
+
+    import httpx
+    import uvicorn
+    from conftest import free_port
+
+    def load():
+        be = FakeBackend(n_ctx=4096, step_cost=lambda n: 0.02)  # 1000 tokens: 20 s
+        be.model_path = "/models/fake.gguf"
+        return Engine(be, SRSDConfig(index_backend="numpy", mode="ar"))
+
+    svc = Service(load, model_id="fake")
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(svc), port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                if httpx.get(base + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(base + "/v1/completions", json={"prompt": "the cat", "max_tokens": 1000},
+                       timeout=1.0)
+        t0 = time.time()
+        r = httpx.post(base + "/v1/completions", json={"prompt": "ab", "max_tokens": 3},
+                       timeout=60)
+        assert r.status_code == 200 and time.time() - t0 < 5
+        assert 'status="499"} 1.0' in svc.metrics.render().decode()
+    finally:
+        server.should_exit = True
+        thread.join(10)

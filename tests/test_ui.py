@@ -11,7 +11,13 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import start_cli_server
-from srsd_local.app.ui import edit_prompt, unified_diff
+from srsd_local.app.ui import (
+    edit_max_tokens,
+    edit_prompt,
+    edit_stop,
+    edited_text,
+    unified_diff,
+)
 
 pytestmark = pytest.mark.model
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,8 +26,10 @@ CODE = 'def area(width, height):\n    """Area of a rectangle."""\n    result = w
 
 
 @pytest.fixture(scope="module")
-def ui_url():
-    proc, base, _ = start_cli_server(["ui"])
+def ui_url(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:  # the server's caches: not the user's
+        mp.setenv("SRSD_CACHE_DIR", str(tmp_path_factory.mktemp("srsd-cache")))
+        proc, base, _ = start_cli_server(["ui"])
     yield base
     proc.terminate()
     proc.wait(timeout=30)
@@ -66,11 +74,29 @@ def test_chat_streams_reply_and_stats(gclient, engine):
 def test_edit_streams_result_and_diff(gclient, engine):
     instr = "rename result to value"
     edited, stats, diff = gclient.predict(CODE, instr, "python", "ar", api_name="/edit")[:3]
-    ref = engine.generate(edit_prompt(CODE, instr, "python"), max_tokens=4 * len(
-        engine.tokenize(CODE)) + 64, stop=["```"], mode="ar")
+    ref = engine.generate(edit_prompt(CODE, instr, "python"), stop=edit_stop(instr, "python"),
+                          max_tokens=edit_max_tokens(len(engine.tokenize(CODE))), mode="ar")
     assert edited.rstrip("\n") == ref.text.rstrip("\n") and edited.strip()
-    assert diff.rstrip("\n") == unified_diff(CODE, ref.text).rstrip("\n")
+    assert diff.rstrip("\n") == unified_diff(CODE, edited_text(ref.text, CODE)).rstrip("\n")
     assert "tokens/s" in stats and "tokens/step" in stats
+
+
+def test_editor_renames_on_the_default_base_model(gclient):
+    # the few-shot prompt makes the base model really edit: "value" where "result" was
+    edited, _stats, diff = gclient.predict(CODE, "rename result to value", "python", "srsd",
+                                           api_name="/edit")[:3]
+    assert edited == CODE.replace("result", "value"), edited
+    assert diff != "(no changes)" and "-    result = width * height" in diff
+    assert "+    value = width * height" in diff and "+    return value" in diff
+
+
+def test_edit_prompt_is_few_shot_and_ends_where_the_edit_starts():
+    p = edit_prompt(CODE, "rename result to value", "python")
+    assert p.count("# Original\n") == 4 and p.endswith("# Rename result to value:\n")
+    assert "# Rename message to text:\n" in p and p.count("\n# End\n") == 3
+    assert "\n# End" in edit_stop("rename result to value", "python")
+    prose = edit_prompt("# Title\nSome text.", "fix the typos", "markdown")
+    assert prose.endswith("== Fix the typos:\n") and "== Original\n# Title" in prose
 
 
 def test_compare_shows_both_speeds(gclient):

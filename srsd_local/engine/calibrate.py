@@ -55,7 +55,8 @@ def _score(engine, prompts, max_tokens: int) -> float:
     accepted = drafts = 0
     for p in prompts:
         engine.reset()
-        res = engine.generate(p.prompt, max_tokens=min(max_tokens, p.max_tokens), mode="srsd")
+        res = engine.generate(p.prompt, max_tokens=min(max_tokens, p.max_tokens),
+                              mode="retrieval")
         accepted += res.stats.accepted_tokens
         drafts += res.stats.drafts
     return accepted / drafts if drafts else 0.0
@@ -89,21 +90,47 @@ def calibrate(load: Callable[..., Any], model_path: str, prompts: Sequence,
             progress(f"draft_depth {d}: {scores['draft_depth'][str(d)]:.3f}")
         best_d = int(max(scores["draft_depth"], key=lambda d: (scores["draft_depth"][d],
                                                                   int(d))))
-        # seed the acceptance model: every node of fixed trees is verified, so all kinds of
-        # evidence get measured outcomes (the controller later keeps learning online)
         eng.reconfigure(top_k=best_k, draft_depth=best_d)
-        eng.speculator.acceptance.counts.clear()
-        for mode in ("srsd", "hybrid"):
-            for p in prompts:
-                eng.reset()
-                eng.generate(p.prompt, max_tokens=min(max_tokens, p.max_tokens), mode=mode,
-                             temperature=getattr(p, "temperature", 0.0),
-                             seed=getattr(p, "seed", None))
-        acceptance = eng.speculator.acceptance.to_json()
-        progress(f"acceptance seeded from {sum(v[1] for _, v in acceptance)} outcomes")
+        acceptance = seed_acceptance(eng, prompts, max_tokens, progress)
     result = {"layer": best_layer, "top_k": best_k, "draft_depth": best_d,
               "n_layer": n_layer, "scores": scores, "model": Path(model_path).name,
               "model_size": Path(model_path).stat().st_size, "acceptance": acceptance}
+    return _store(model_path, result)
+
+
+SEED_MODES = ("ngram", "retrieval", "srsd", "hybrid")
+
+
+def seed_acceptance(eng: Any, prompts: Sequence, max_tokens: int,
+                    progress: Callable[[str], None] = lambda s: None) -> list:
+    """Acceptance counts from fixed trees (every node verified, so every kind of evidence of
+    every draft source gets measured outcomes; the controller keeps learning online)."""
+    eng.speculator.acceptance.counts.clear()
+    for mode in SEED_MODES:
+        for p in prompts:
+            eng.reset()
+            eng.generate(p.prompt, max_tokens=min(max_tokens, p.max_tokens), mode=mode,
+                         temperature=getattr(p, "temperature", 0.0),
+                         seed=getattr(p, "seed", None))
+    acceptance = eng.speculator.acceptance.to_json()
+    progress(f"acceptance seeded from {sum(v[1] for _, v in acceptance)} outcomes")
+    return acceptance
+
+
+def reseed(load: Callable[..., Any], model_path: str, prompts: Sequence, max_tokens: int = 64,
+           progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """Keep this model's calibrated layer / top-k / depth, measure only the acceptance seeds
+    (after the draft sources changed: much faster than a full calibration)."""
+    base = load_calibration_file(model_path)
+    if not base:
+        raise ValueError(f"no calibration for {model_path} to reseed: run srsd-local "
+                         "calibrate without --seeds-only first")
+    with load(**{k: base[k] for k in CALIBRATED_FIELDS}, adaptive=False, max_nodes=16,
+              max_branches=4) as eng:
+        acceptance = seed_acceptance(eng, prompts, max_tokens, progress)
+    return _store(model_path, {**base, "acceptance": acceptance})
+
+
+def _store(model_path: str, result: dict[str, Any]) -> dict[str, Any]:
     path = store.write_json("calibration", f"{store.file_key(model_path)}.json", result)
-    result["path"] = str(path)
-    return result
+    return {**result, "path": str(path)}

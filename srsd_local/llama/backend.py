@@ -157,6 +157,7 @@ class Backend:
             self._b_seq = [np.ctypeslib.as_array(self._batch.seq_id[i], shape=(config.n_seq_max,))
                            for i in range(cap)]
             self._piece_cache: dict[int, bytes] = {}
+            self._eog: dict[int, bool] = {}
             self._views: dict[tuple[int | None, int], np.ndarray] = {}
             self.n_past = 0  # tokens of sequence 0 in the KV cache
             self.decode_seconds = 0.0  # time spent inside llama_decode, ever
@@ -207,7 +208,10 @@ class Backend:
         return (self._L.llama_vocab_get_text(self.vocab, token) or b"").decode("utf-8", "replace")
 
     def is_eog(self, token: int) -> bool:
-        return bool(self._L.llama_vocab_is_eog(self.vocab, token))
+        out = self._eog.get(token)
+        if out is None:
+            out = self._eog[token] = bool(self._L.llama_vocab_is_eog(self.vocab, token))
+        return out
 
     @property
     def name(self) -> str:
