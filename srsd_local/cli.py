@@ -87,9 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="code_edit, text_edit, humaneval, code_continue, open, all (those five), "
                         "calibration, or a .jsonl file "
                         "({id, category, prompt, max_tokens[, temperature, seed]})")
-    b.add_argument("--modes", default="ar,pld,srsd,hybrid,lcp-pld,llama-server,"
-                   "llama-server-spec,llama-server-ngram-simple",
-                   help="comma-separated: ar, pld, srsd, hybrid; peers: lcp-pld "
+    b.add_argument("--modes", default="ar,pld,ngram,retrieval,srsd,hybrid,lcp-pld,"
+                   "llama-server,llama-server-spec,llama-server-ngram-simple",
+                   help="comma-separated: ar, pld, ngram, retrieval, srsd, hybrid (ngram and "
+                        "retrieval are the ablation of srsd's two sources); peers: lcp-pld "
                         "(llama-cpp-python's prompt lookup), llama-server (plain), "
                         "llama-server-spec (--spec-default), llama-server-ngram-simple "
                         "(--spec-type ngram-simple); llama-server modes are skipped when the "

@@ -364,9 +364,9 @@ def test_a_dropped_client_stops_its_generation_through_the_body_middleware():
             except httpx.TransportError:
                 pass
             time.sleep(0.05)
-        with pytest.raises(httpx.TimeoutException):
-            httpx.post(base + "/v1/completions", json={"prompt": "the cat", "max_tokens": 1000},
-                       timeout=1.0)
+        with pytest.raises(httpx.TimeoutException):  # greedy: "the cat" repeats, no EOS
+            httpx.post(base + "/v1/completions", json={"prompt": "the cat", "max_tokens": 1000,
+                                                       "temperature": 0}, timeout=1.0)
         t0 = time.time()
         r = httpx.post(base + "/v1/completions", json={"prompt": "ab", "max_tokens": 3},
                        timeout=60)
@@ -375,3 +375,19 @@ def test_a_dropped_client_stops_its_generation_through_the_body_middleware():
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@pytest.mark.parametrize("ui_path", ["/ui", "/"])
+def test_composition_mounts_the_ui_beside_the_api(ui_path):
+    from srsd_local.app.main import build_app
+
+    svc = Service(_public_engine, model_id="fake")
+    with TestClient(build_app(svc, ui_path=ui_path)) as client:
+        assert svc.ready.wait(10)
+        page = client.get(ui_path.rstrip("/") + "/")
+        assert page.status_code == 200 and "srsd-local" in page.text
+        assert client.get("/health").json() == {"status": "ok", "model": "fake"}
+        r = client.post("/v1/completions", json={"prompt": "the cat", "max_tokens": 2})
+        assert r.status_code == 200
+        assert not [p for p in client.get("/openapi.json").json()["paths"]
+                    if p.startswith("/ui") or p.startswith("/gradio")]

@@ -29,15 +29,20 @@ class NodeEvidence:
     agree: int = 0  # longest context match (tokens up to the root) among those drafts
     recent: float = 0.5  # how often the last trees of this generation got a token accepted
     origin: str = ""  # the sources that proposed it ("srsd", "ngram", "srsd+ngram", ...)
+    _keys: dict = field(default_factory=dict, repr=False, compare=False)
 
     def keys(self, source: str, greedy: bool) -> tuple[tuple, tuple]:
-        """(coarse, fine) keys; the node's own origin names its source when known."""
-        coarse = (self.origin or source, greedy, min(self.depth, 12),
-                  _bucket(self.recent, (0.25, 0.5, 0.75, 0.9)))
-        fine = coarse + (_bucket(self.share, (0.34, 0.67, 0.999)),
-                         _bucket(self.strength, (0.4, 0.6, 0.8, 0.9)),
-                         _bucket(self.agree, (2, 3, 5)))
-        return coarse, fine
+        """(coarse, fine) keys; the node's own origin names its source when known. Computed
+        once per (source, greedy): planning and learning ask for them several times."""
+        got = self._keys.get((source, greedy))
+        if got is None:
+            coarse = (self.origin or source, greedy, min(self.depth, 12),
+                      _bucket(self.recent, (0.25, 0.5, 0.75, 0.9)))
+            fine = coarse + (_bucket(self.share, (0.34, 0.67, 0.999)),
+                             _bucket(self.strength, (0.4, 0.6, 0.8, 0.9)),
+                             _bucket(self.agree, (2, 3, 5)))
+            got = self._keys[(source, greedy)] = (coarse, fine)
+        return got
 
 
 @dataclass
@@ -68,8 +73,12 @@ class AcceptanceModel:
         """Optimistic by how little this depth (and recent-acceptance level) was tried: the
         bonus follows the coarse key, which fills quickly, so it cannot compound down long
         chains of rarely seen fine keys."""
+        return self.q_both(ev, source, greedy)[1]
+
+    def q_both(self, ev: NodeEvidence, source: str, greedy: bool) -> tuple[float, float]:
+        """(q, q_explore) from one lookup."""
         mean, n = self._post(ev, source, greedy)
-        return min(1.0, mean + self.bonus / (1.0 + n) ** 0.5)
+        return mean, min(1.0, mean + self.bonus / (1.0 + n) ** 0.5)
 
     horizon: int = 2000  # older outcomes fade once a key has this many
 

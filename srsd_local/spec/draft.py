@@ -4,6 +4,7 @@ token tree rooted at the known next token. Pure numpy."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -16,6 +17,7 @@ Proposal = tuple[np.ndarray, float, int]
 ORIGINS = {1: "srsd", 2: "ngram", 4: "pld"}
 
 
+@lru_cache(maxsize=64)
 def origin_name(bits: int) -> str:
     """"srsd", "ngram", "srsd+ngram", ... for a node's origin bitmask."""
     return "+".join(name for bit, name in ORIGINS.items() if bits & bit) or "none"

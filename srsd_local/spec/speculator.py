@@ -107,8 +107,9 @@ class Speculator:
     def _plan(self, tree: TokenTree, req: Request, room: int, ctx: int) -> Plan:
         ev = evidence(tree, req.recent)
         acc = self.acceptance
-        q = [1.0] + [acc.q_explore(e, req.mode, req.greedy) for e in ev[1:]]
-        q_mean = [1.0] + [acc.q(e, req.mode, req.greedy) for e in ev[1:]]
+        both = [acc.q_both(e, req.mode, req.greedy) for e in ev[1:]]
+        q = [1.0] + [b[1] for b in both]
+        q_mean = [1.0] + [b[0] for b in both]
         n_max = min(room, len(tree) - 1) + 1
         if self.cost.surprises != self._surprises:  # an estimate was far too high: look
             self._surprises = self.cost.surprises  # for more of them right away
