@@ -302,3 +302,17 @@ def test_shipped_calibration_applies_only_to_the_default_model_file(tmp_path, mo
     with same.open("r+b") as f:
         f.truncate(1000)
     assert load_calibration(same) is None
+
+
+def test_the_plan_verifies_exactly_the_nodes_it_scored():
+    # four branches of equal promise; with max_branches=2 the planner may keep two of them
+    tree = TokenTree(0)
+    for b in range(4):
+        tree.insert([10 + b, 20 + b, 30 + b], 1.0)
+    q = [1.0] + [0.9] * (len(tree) - 1)
+    cost = np.array([0.0] + [0.01 * (1 + 0.01 * n) for n in range(1, len(tree) + 1)])
+    plan = choose(tree, q, cost, max_branches=2)
+    leaves = [i for i in range(len(plan.tree)) if not plan.tree.children(i)]
+    assert len(leaves) <= 2 and plan.tree.n_draft == 6  # both branches whole, nothing lost
+    assert len(plan.probs) == len(plan.tree)
+    assert plan.expected_accepted == pytest.approx(sum(plan.probs) - 1.0)

@@ -65,9 +65,27 @@ def choose(tree: TokenTree, q: Sequence[float], cost: np.ndarray, max_branches: 
     p_rep = _path_probs(tree, q_rep, depth_scale)
     p_raw = _path_probs(tree, q_rep)
     order = sorted(range(1, n_nodes), key=lambda i: (-p[i], tree.depths[i], i))
-    order = order[: len(cost) - 2]
+    # the nodes that fit, in that order: a node whose parent was left out, or that would open
+    # a branch past max_branches, is skipped before any size is scored, so the plan verifies
+    # exactly the nodes it was scored with
+    kept: list[int] = []
+    has_child: set[int] = set()
+    taken, leaves = {0}, 1
+    for node in order:
+        if len(kept) >= len(cost) - 2:
+            break
+        parent = tree.parents[node]
+        if parent not in taken:
+            continue
+        opens_leaf = parent in has_child
+        if opens_leaf and leaves >= max_branches:
+            continue
+        leaves += opens_leaf
+        has_child.add(parent)
+        taken.add(node)
+        kept.append(node)
     best_k, best_rate, cum = 0, 1.0 / cost[1], 0.0
-    for k, node in enumerate(order, 1):
+    for k, node in enumerate(kept, 1):
         cum += p[node]
         rate = (1.0 + cum) / cost[k + 1]
         if rate > best_rate * (1.0 + 1e-9):  # a tie is not worth the bigger batch
@@ -75,16 +93,9 @@ def choose(tree: TokenTree, q: Sequence[float], cost: np.ndarray, max_branches: 
     out = TokenTree(tree.tokens[0])
     out.weights[0], out.counts[0] = tree.weights[0], tree.counts[0]
     new_of = {0: 0}
-    probs, raw, leaves = [1.0], [1.0], 1
-    for node in order[:best_k]:  # parents come before their children in this order
-        parent = tree.parents[node]
-        if parent not in new_of:
-            continue  # its parent was dropped for the branch limit
-        opens_leaf = bool(out.children(new_of[parent]))
-        if opens_leaf and leaves >= max_branches:
-            continue
-        leaves += opens_leaf
-        new_of[node] = out.graft(new_of[parent], tree, node)
+    probs, raw = [1.0], [1.0]
+    for node in kept[:best_k]:  # parents come before their children in this order
+        new_of[node] = out.graft(new_of[tree.parents[node]], tree, node)
         probs.append(float(p_rep[node]))
         raw.append(float(p_raw[node]))
     ev_all = evidence(tree) if ev is None else ev
