@@ -169,7 +169,9 @@ def _plots(stats):
 
     if stats is None:
         return None, None
-    depth = pd.DataFrame({"depth": [str(i) for i in range(1, len(stats.accepted_per_depth) + 1)],
+    # zero-padded labels: the bar chart orders categories as text (1, 10, 2 otherwise)
+    depth = pd.DataFrame({"depth": [f"{i:02d}" for i in range(1,
+                                                             len(stats.accepted_per_depth) + 1)],
                           "accepted": stats.accepted_per_depth})
     steps = pd.DataFrame({"step": list(range(1, len(stats.tokens_per_step) + 1)),
                           "tokens": stats.tokens_per_step})
