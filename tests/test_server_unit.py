@@ -7,11 +7,11 @@ import threading
 import pytest
 from fakes import FakeBackend
 from fastapi.testclient import TestClient
+
 from srsd_local.app.errors import APIError
 from srsd_local.app.schemas import parse_request
 from srsd_local.app.server import create_app
 from srsd_local.app.service import Service
-
 from srsd_local.config import SRSDConfig
 from srsd_local.engine import Engine
 

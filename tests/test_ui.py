@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import start_cli_server
+
 from srsd_local.app.ui import (
     edit_max_tokens,
     edit_prompt,
