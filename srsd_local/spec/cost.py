@@ -7,8 +7,8 @@ A profile measured while the machine was busy must not switch speculation off fo
   (one batch of n tokens never costs more than n plain steps), the cost per token never
   grows with the batch, and t is monotone in n;
 - plain steps rescale the whole profile (the machine got faster or slower since it was
-  measured); bigger steps correct the points around their size; a step much faster than
-  its estimate replaces it at once (load on the machine only ever adds time), slower ones
+  measured); bigger steps correct the points around their size; a step faster than its
+  estimate replaces it at once (load on the machine only ever adds time), slower ones
   move it slowly;
 - sizes whose cost has not been confirmed by a real step recently are `stale`: the
   controller occasionally plans with an optimistic guess for them (`table(..., explore=True)`),
@@ -23,6 +23,7 @@ import numpy as np
 
 STALE_STEPS = 2000  # a point not confirmed by a real step for this many steps is stale
 OPTIMISTIC_SLOPE = 0.1  # exploration guess: each extra token costs 0.1 plain step
+SURPRISE = 0.8  # a tree step this much faster than its estimate: look for more such errors
 
 
 class CostModel:
@@ -101,9 +102,10 @@ class CostModel:
 
     def observe(self, n: int, seconds: float, ctx: int | None = None) -> None:
         """Correct the profile with a measured step time: a plain step (n=1) rescales the
-        whole profile (the machine got faster or slower), a bigger one corrects the points
-        around n. A step far faster than its estimate replaces it at once (load on the
-        machine only ever adds time); slower ones move it by `alpha`."""
+        whole profile (the machine got faster or slower; at once when far faster, else by
+        `alpha`), a bigger one corrects the points around n: a step faster than its estimate
+        replaces it at once (load on the machine only ever adds time), slower ones move it
+        by `alpha`."""
         self.steps += 1
         if ctx is not None:
             seconds -= self.per_kv * n * max(0, ctx - self.ctx0)
@@ -129,9 +131,10 @@ class CostModel:
             points = sorted({lo, hi} - {0})
             err = seconds - float(self._base(np.array([n]), view)[0])
         for j in points:
-            if seconds < 0.5 * view[j]:  # far faster than believed: believe it now
+            if seconds < view[j]:  # faster than believed: believe it now
                 self.raw[j] = min(self.raw[j], view[j] + err)
-                self.surprises += 1
+                if seconds < SURPRISE * view[j]:
+                    self.surprises += 1
             else:
                 self.raw[j] = view[j] + self.alpha * err / len(points)
             self.raw[j] = max(self.raw[j], 1e-6)
