@@ -263,20 +263,22 @@ def create_app(service: Service) -> FastAPI:
 
         return EventSourceResponse(sse(), sep="\n", ping=None)
 
-    @app.post("/v1/completions", response_model=Completion, responses={
-        **_ERRORS, 200: {"description": "the completion; with `stream`, server-sent events "
-                         "whose data are Completion chunks, then `[DONE]`",
-                         "content": {"text/event-stream": {"schema": {
-                             "$ref": "#/components/schemas/Completion"}}}}})
+    def responses(what: str, chunk: str) -> dict[int | str, dict[str, Any]]:
+        """OpenAPI responses of a generation route: the errors, and the streamed form."""
+        return {**_ERRORS, 200: {
+            "description": f"{what}; with `stream`, server-sent events whose data are {chunk} "
+                           "objects, then `[DONE]`",
+            "content": {"text/event-stream": {"schema": {
+                "$ref": f"#/components/schemas/{chunk}"}}}}}
+
+    @app.post("/v1/completions", response_model=Completion,
+              responses=responses("the completion", "Completion"))
     async def completions(body: CompletionRequest, request: Request,
                           _auth: None = Depends(authorized)) -> Any:
         return await handle(request, body.to_gen_request())
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletion, responses={
-        **_ERRORS, 200: {"description": "the chat completion; with `stream`, server-sent "
-                         "events whose data are ChatCompletionChunk objects, then `[DONE]`",
-                         "content": {"text/event-stream": {"schema": {
-                             "$ref": "#/components/schemas/ChatCompletionChunk"}}}}})
+    @app.post("/v1/chat/completions", response_model=ChatCompletion,
+              responses=responses("the chat completion", "ChatCompletionChunk"))
     async def chat_completions(body: ChatCompletionRequest, request: Request,
                                _auth: None = Depends(authorized)) -> Any:
         return await handle(request, body.to_gen_request())

@@ -310,14 +310,15 @@ class Engine:
                 self._last_hidden = rows[-1].copy()
             self.speculator.observe(req, plan, path, time.perf_counter() - ta, n)
             td = time.perf_counter()
-            tree = None if plan is None else plan.tree
-            stats.observe_step(
-                1 if tree is None else len(tree), len(path) - 1,
-                drafted=0 if tree is None else tree.n_draft,
-                forecast=plan.probs[1:] if plan else (),
-                forecast_depths=tree.depths[1:] if plan and plan.probs else (),
-                draft=tb - ta, verify=tc - tb, index=td - tc,
-                host=(td - ta) - (be.decode_seconds - in_decode))
+            times = dict(draft=tb - ta, verify=tc - tb, index=td - tc,
+                         host=(td - ta) - (be.decode_seconds - in_decode))
+            if plan is None:
+                stats.observe_step(1, 0, **times)
+            else:  # the forecast (if the controller made one) covers the drafted nodes
+                t = plan.tree
+                stats.observe_step(len(t), len(path) - 1, drafted=t.n_draft,
+                                   forecast=plan.probs[1:],
+                                   forecast_depths=t.depths[1:len(plan.probs)], **times)
             pending = path_tokens[1:] + [y]
             drafted = [True] * (len(path) - 1) + [False]
             x = y
