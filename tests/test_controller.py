@@ -179,7 +179,8 @@ def test_speculation_recovers_from_a_poisoned_profile_on_the_fake():
     # exploratory plans test the big trees; their real cost replaces the absurd estimates
     # and the controller drafts as if the profile had been right
     assert eng.speculator.cost.t(16) < 0.1
-    assert poisoned.mean_accepted_length > 0.6 * sane.mean_accepted_length > 1.5
+    # without recovery every step would be a plain one (1 token per step)
+    assert sane.mean_accepted_length > 3 and poisoned.mean_accepted_length > 2.5
 
 
 def test_cost_model_refines_online():
