@@ -19,6 +19,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -70,3 +72,36 @@ def file_key(file: str | Path) -> str:
     p = Path(file).resolve()
     st = p.stat()
     return hashlib.sha1(f"{p}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+
+
+def _compiler() -> str | None:
+    for cand in (environment().cc, "cc", "gcc", "clang"):
+        if cand and shutil.which(cand):
+            return cand
+    return None
+
+
+def compiled_library(name: str, source: bytes, flags: tuple[str, ...] = ("-O2",)
+                     ) -> Path | None:
+    """A shared library built from C `source` with the system's C compiler, once, into the
+    cache (keyed by the source and flags); None when there is no compiler or it fails."""
+    key = hashlib.sha1(source + " ".join(flags).encode()).hexdigest()[:12]
+    out = path("capture", f"{name}-{key}.so")
+    if out.exists():
+        return out
+    cc = _compiler()
+    if cc is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        c_file = Path(tmp) / f"{name}.c"
+        c_file.write_bytes(source)
+        so = Path(tmp) / f"{name}.so"
+        try:
+            proc = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", str(so), str(c_file),
+                                   "-lm"], capture_output=True, timeout=120)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        if proc.returncode != 0 or not so.exists():
+            return None
+        write_bytes(out, so.read_bytes())
+    return out

@@ -215,7 +215,7 @@ class Engine:
         self._ctx[common: n] = new
         last = out.logits[-1].copy()
         if out.hidden is not None:
-            self.index.add(out.hidden, np.arange(common, n))
+            self.index.add(out.hidden, common)
             self._last_hidden = out.hidden[-1].copy()
         self._prompt_end = (n - 1, last, self._last_hidden)
         return last, common
@@ -306,7 +306,7 @@ class Engine:
             self._ctx[n: n + len(path)] = path_tokens
             if req.uses_index and dec.hidden is not None:
                 rows = dec.hidden[path]
-                self.index.add(rows, np.arange(n, n + len(path)))
+                self.index.add(rows, n)
                 self._last_hidden = rows[-1].copy()
             self.speculator.observe(req, plan, path, time.perf_counter() - ta, n)
             td = time.perf_counter()

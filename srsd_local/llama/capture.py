@@ -15,10 +15,6 @@ each of the ~700 graph nodes of every decode.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import shutil
-import subprocess
-import tempfile
 from importlib import resources
 from pathlib import Path
 
@@ -121,32 +117,10 @@ class _CState(ctypes.Structure):
                 ("ne0", ctypes.c_int64), ("rows", ctypes.c_int64), ("overflow", ctypes.c_int32)]
 
 
-def _compiler() -> str | None:
-    for cand in (environment().cc, "cc", "gcc", "clang"):
-        if cand and shutil.which(cand):
-            return cand
-    return None
-
-
 def compiled_callback_library() -> Path | None:
     """Path of the compiled C callback (built once into the cache), or None."""
     src = resources.files("srsd_local.llama").joinpath("_capture.c").read_bytes()
-    out = store.path("capture", f"capture-{hashlib.sha1(src).hexdigest()[:12]}.so")
-    if out.exists():
-        return out
-    cc = _compiler()
-    if cc is None:
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        c_file = Path(tmp) / "capture.c"
-        c_file.write_bytes(src)
-        so = Path(tmp) / "capture.so"
-        proc = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(so), str(c_file)],
-                              capture_output=True, timeout=120)
-        if proc.returncode != 0 or not so.exists():
-            return None
-        store.write_bytes(out, so.read_bytes())
-    return out
+    return store.compiled_library("capture", src)
 
 
 class CompiledCapture:
@@ -206,7 +180,7 @@ def make_capture(layer: int, max_rows: int, n_embd: int) -> HiddenCapture | Comp
     if environment().capture != "python":
         try:
             lib = compiled_callback_library()
-        except (OSError, subprocess.SubprocessError):
+        except OSError:  # an unwritable cache
             lib = None
         if lib is not None:
             return CompiledCapture(layer, max_rows, n_embd, lib)

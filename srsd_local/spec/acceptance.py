@@ -4,23 +4,20 @@ from verification outcomes (Beta counts with back-off to coarser keys). Pure num
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from .draft import origin_name
 from .tree import TokenTree
 
 
 def _bucket(x: float, edges: Sequence[float]) -> int:
-    for i, e in enumerate(edges):
-        if x < e:
-            return i
-    return len(edges)
+    """The number of edges <= x (edges ascending)."""
+    return bisect_right(edges, x)
 
 
-@dataclass
+@dataclass(slots=True)
 class NodeEvidence:
     depth: int
     share: float  # drafts through this node / drafts through the root
@@ -121,21 +118,25 @@ class DepthCalibration:
 
     def __init__(self, depths: int = 17, decay: float = 0.98, lo: float = 0.2,
                  hi: float = 10.0) -> None:
-        self.pred = np.ones(depths)
-        self.act = np.ones(depths)
+        self.pred = [1.0] * depths
+        self.act = [1.0] * depths
         self.decay, self.lo, self.hi = decay, lo, hi
 
-    def scale(self) -> np.ndarray:
-        return np.clip(self.act / np.maximum(self.pred, 1e-9), self.lo, self.hi)
+    def scale(self) -> list[float]:
+        """Per depth: measured / predicted acceptance, clipped to [lo, hi]. (Plain Python
+        lists: a few dozen numbers, every step, on caches a forward pass just flushed.)"""
+        lo, hi = self.lo, self.hi
+        return [min(max(a / max(p, 1e-9), lo), hi) for a, p in zip(self.act, self.pred)]
 
     def update(self, raw_probs: Sequence[float], depths: Sequence[int], accepted_depth: int
                ) -> None:
         n = len(self.pred)
-        pred = np.zeros(n)
+        pred = [0.0] * n
         for p, d in zip(raw_probs, depths):
             pred[min(d, n - 1)] += p
-        act = np.zeros(n)
-        act[1: min(accepted_depth, n - 1) + 1] = 1.0
-        touched = pred > 0
-        self.pred[touched] = self.decay * self.pred[touched] + pred[touched]
-        self.act[touched] = self.decay * self.act[touched] + act[touched]
+        top = min(accepted_depth, n - 1)
+        decay = self.decay
+        for d in range(n):
+            if pred[d] > 0:
+                self.pred[d] = decay * self.pred[d] + pred[d]
+                self.act[d] = decay * self.act[d] + (1.0 if 1 <= d <= top else 0.0)

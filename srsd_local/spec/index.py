@@ -103,12 +103,14 @@ class VectorIndex:
         return self._n
 
     def _normalise(self, rows: np.ndarray) -> np.ndarray:
+        """Centred, unit-length float32 rows rounded through float16 (what is stored), in
+        a new array."""
         x = np.asarray(rows, dtype=np.float32).reshape(-1, self.dim)
         if self.center is None:
             self.center = x.mean(axis=0) if len(x) > 1 else np.zeros(self.dim, np.float32)
         x = x - self.center
-        x /= np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-6)
-        return x
+        x /= np.maximum(np.sqrt(np.einsum("ij,ij->i", x, x)), np.float32(1e-6))[:, None]
+        return x.astype(np.float16).astype(np.float32)
 
     def _grow(self, need: int) -> None:
         if need <= len(self._pos):
@@ -123,10 +125,14 @@ class VectorIndex:
             self._buf = buf
 
     # -- API --------------------------------------------------------------------------------
-    def add(self, rows: np.ndarray, positions: np.ndarray | list[int]) -> None:
-        """Index new rows (only the new ones) for the given context positions."""
-        positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+    def add(self, rows: np.ndarray, positions: np.ndarray | list[int] | int) -> None:
+        """Index new rows (only the new ones) for the given context positions (an int:
+        consecutive positions from there)."""
         x = self._normalise(rows)
+        if isinstance(positions, (int, np.integer)):
+            positions = np.arange(positions, positions + len(x), dtype=np.int64)
+        else:
+            positions = np.asarray(positions, dtype=np.int64).reshape(-1)
         if len(x) != len(positions):
             raise ValueError(f"index.add got {len(x)} rows for {len(positions)} positions")
         if self._n + len(x) > self.capacity:
@@ -137,7 +143,7 @@ class VectorIndex:
         if self._buf is not None:
             self._buf[self._n: self._n + len(x)] = x
         else:
-            self._faiss_index.add(x.astype(np.float16).astype(np.float32))
+            self._faiss_index.add(x)
         self._n += len(x)
 
     def search(self, query: np.ndarray, k: int) -> Hits:
@@ -147,12 +153,11 @@ class VectorIndex:
             return Hits(np.zeros(0, np.int64), np.zeros(0, np.float32))
         q = self._normalise(query)
         if self._buf is not None:
-            q16 = q[0].astype(np.float16).astype(np.float32)
-            scores = self._buf[: self._n].astype(np.float32) @ q16
+            scores = self._buf[: self._n].astype(np.float32) @ q[0]
             top = np.argpartition(-scores, k - 1)[:k] if k < self._n else np.arange(self._n)
             top = top[np.lexsort((top, -scores[top]))]
             return Hits(self._pos[top], scores[top].astype(np.float32))
-        d, i = self._faiss_index.search(q.astype(np.float16).astype(np.float32), k)
+        d, i = self._faiss_index.search(q, k)
         ok = i[0] >= 0
         return Hits(self._pos[i[0][ok]], d[0][ok].astype(np.float32))
 

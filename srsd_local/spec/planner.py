@@ -22,27 +22,38 @@ class Plan:
     raw_probs: list[float] = field(default_factory=list)  # before the depth calibration
 
 
+def _sibling_normalised(tree: TokenTree, q: Sequence[float]) -> list[float]:
+    """q with each group of siblings scaled down when it sums past 1 (the model picks one
+    token, so siblings exclude each other)."""
+    q = [float(v) for v in q]
+    for kids in tree.sibling_groups():
+        total = sum(q[k] for k in kids)
+        if total > 1.0:
+            for k in kids:
+                q[k] /= total
+    return q
+
+
 def _path_probs(tree: TokenTree, q: Sequence[float], depth_scale: Sequence[float] | None = None
-                ) -> np.ndarray:
-    """P(node accepted). Siblings exclude each other (the model picks one token), so their
-    conditional probabilities are scaled down when they would sum past 1. `depth_scale[d]`
-    corrects the probabilities of depth d (see DepthCalibration); a node never gets more
-    likely than its parent."""
-    q = np.asarray(q, dtype=np.float64).copy()
-    for node in range(len(tree)):
-        kids = tree.children(node)
-        if len(kids) > 1:
-            total = q[kids].sum()
-            if total > 1.0:
-                q[kids] /= total
-    raw = np.ones(len(tree))
-    p = np.ones(len(tree))
-    for i in range(1, len(tree)):  # parents come before children
-        raw[i] = raw[tree.parents[i]] * q[i]
-        scale = 1.0
-        if depth_scale is not None:
-            scale = depth_scale[min(tree.depths[i], len(depth_scale) - 1)]
-        p[i] = min(p[tree.parents[i]], raw[i] * scale, 1.0)
+                ) -> list[float]:
+    """P(node accepted) = P(parent accepted) * q[node], with `q` as `_sibling_normalised`
+    returns it. `depth_scale[d]` corrects the probabilities of depth d (see
+    DepthCalibration); a node never gets more likely than its parent. Plain Python: trees
+    have a few dozen nodes, and this runs on every step."""
+    parents, depths = tree.parents, tree.depths
+    n = len(parents)
+    raw = [1.0] * n
+    p = [1.0] * n
+    scale = None if depth_scale is None else [float(v) for v in depth_scale]
+    last = 0 if scale is None else len(scale) - 1
+    for i in range(1, n):  # parents come before children
+        par = parents[i]
+        r = raw[par] * q[i]
+        raw[i] = r
+        if scale is not None:
+            d = depths[i]
+            r *= scale[d if d < last else last]
+        p[i] = min(p[par], r, 1.0)
     return p
 
 
@@ -60,11 +71,13 @@ def choose(tree: TokenTree, q: Sequence[float], cost: np.ndarray, max_branches: 
     evidence (computed here when not given), carried over to the chosen nodes.
     """
     n_nodes = len(tree)
-    p = _path_probs(tree, q, depth_scale)
-    q_rep = q if q_report is None else q_report
-    p_rep = _path_probs(tree, q_rep, depth_scale)
-    p_raw = _path_probs(tree, q_rep)
-    order = sorted(range(1, n_nodes), key=lambda i: (-p[i], tree.depths[i], i))
+    qn = _sibling_normalised(tree, q)
+    p = _path_probs(tree, qn, depth_scale)
+    qn_rep = qn if q_report is None else _sibling_normalised(tree, q_report)
+    p_rep = _path_probs(tree, qn_rep, depth_scale)
+    p_raw = _path_probs(tree, qn_rep)
+    depths = tree.depths
+    order = sorted(range(1, n_nodes), key=lambda i: (-p[i], depths[i], i))
     # the nodes that fit, in that order: a node whose parent was left out, or that would open
     # a branch past max_branches, is skipped before any size is scored, so the plan verifies
     # exactly the nodes it was scored with
@@ -96,8 +109,8 @@ def choose(tree: TokenTree, q: Sequence[float], cost: np.ndarray, max_branches: 
     probs, raw = [1.0], [1.0]
     for node in kept[:best_k]:  # parents come before their children in this order
         new_of[node] = out.graft(new_of[tree.parents[node]], tree, node)
-        probs.append(float(p_rep[node]))
-        raw.append(float(p_raw[node]))
+        probs.append(p_rep[node])
+        raw.append(p_raw[node])
     ev_all = evidence(tree) if ev is None else ev
     old_of = {v: k for k, v in new_of.items()}
     return Plan(out, probs, [ev_all[old_of[i]] for i in range(len(out))],

@@ -53,6 +53,10 @@ class TokenTree:
     def children(self, node: int) -> list[int]:
         return list(self._children[node].values())
 
+    def sibling_groups(self) -> list[list[int]]:
+        """The children of every node that has more than one."""
+        return [list(c.values()) for c in self._children if len(c) > 1]
+
     def add_node(self, parent: int, token: int, weight: float = 0.0) -> int:
         idx = len(self.tokens)
         self.tokens.append(int(token))
