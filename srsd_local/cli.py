@@ -18,6 +18,22 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
 
 
+def _add_http_args(p: argparse.ArgumentParser, port: int) -> None:
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (0.0.0.0: all interfaces; then any Host header is "
+                        "answered unless --allowed-host is given)")
+    p.add_argument("--port", type=int, default=port)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every path but /health (in a "
+                        "browser, /ui and /docs ask for it: any user name, KEY as password)")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="also answer requests whose Host header is NAME (repeatable); "
+                        "without it only localhost, 127.0.0.1, ::1 and --host are answered")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let browser pages of ORIGIN (e.g. http://localhost:3000, or *) call "
+                        "the API (CORS; repeatable)")
+
+
 def _engine_config(args: argparse.Namespace) -> dict:
     cfg = {"n_gpu_layers": args.n_gpu_layers}
     if args.n_ctx is not None:
@@ -106,15 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--doc", default=None,
                    help="rewrite this markdown file's section for --label (docs/benchmarks.md)")
     b.add_argument("--label", default="CPU", help="section name in --doc")
+    b.add_argument("--no-verify", action="store_true",
+                   help="skip checking greedy outputs against plain decoding at every "
+                        "position (the check re-decodes each distinct output once, untimed)")
     b.add_argument("--no-controller", action="store_true",
                    help="ablation: verify fixed trees (16 nodes, 4 branches) every step "
                         "instead of letting the cost/acceptance controller choose")
     b.set_defaults(func=_cmd_bench)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (and the UI under /ui)")
     _add_model_args(s)
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    _add_http_args(s, port=8000)
     s.add_argument("--mode", choices=MODES, default="srsd", help="default decoding mode")
     s.add_argument("--alias", default=None, help="model id to report (default: file name)")
     s.add_argument("--max-queue", type=int, default=16,
@@ -136,10 +153,27 @@ def build_parser() -> argparse.ArgumentParser:
                         "acceptance seeds of every draft source")
     c.set_defaults(func=_cmd_calibrate)
 
+    v = sub.add_parser("verify", help="check greedy outputs against plain decoding at every "
+                       "position (mismatches beyond the measured rounding noise fail)")
+    vsrc = v.add_mutually_exclusive_group(required=True)
+    vsrc.add_argument("--prompt", help="prompt text")
+    vsrc.add_argument("--prompt-file", help="read the prompt from this file")
+    vsrc.add_argument("--workload", help="a benchmark workload name or .jsonl file (greedy "
+                      "prompts only)")
+    v.add_argument("--output-file", default=None,
+                   help="check this text as the output of --prompt/--prompt-file (tokenized "
+                        "without BOS) instead of generating")
+    v.add_argument("--modes", default="srsd", help="comma-separated modes to generate and "
+                   f"check ({', '.join(MODES)})")
+    v.add_argument("--max-tokens", type=int, default=128)
+    v.add_argument("--max-prompts", type=int, default=None, help="at most N prompts a category")
+    v.add_argument("--json", default=None, help="write every report here")
+    _add_model_args(v)
+    v.set_defaults(func=_cmd_verify)
+
     u = sub.add_parser("ui", help="the Gradio chat and editor UI")
     _add_model_args(u)
-    u.add_argument("--host", default="127.0.0.1")
-    u.add_argument("--port", type=int, default=7860)
+    _add_http_args(u, port=7860)
     u.set_defaults(func=_cmd_ui)
     return parser
 
@@ -165,6 +199,50 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     print(f"best: layer {res['layer']} of {res['n_layer']}, top_k {res['top_k']}, draft_depth "
           f"{res['draft_depth']}; stored in {res['path']}")
     return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    import json  # noqa: PLC0415
+
+    from .bench.workloads import first_per_category, load_workload  # noqa: PLC0415
+    from .engine import Engine  # noqa: PLC0415
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise ValueError(f"unknown mode(s) {bad or args.modes!r}: accepted are {', '.join(MODES)}")
+    if args.workload is not None:
+        if args.output_file is not None:
+            raise ValueError("--output-file goes with --prompt or --prompt-file, not --workload")
+        prompts = [(p.id, p.prompt, p.max_tokens) for p in
+                   first_per_category(load_workload(args.workload), args.max_prompts)
+                   if p.temperature == 0.0]
+    else:
+        text = (Path(args.prompt_file).read_text(encoding="utf-8")
+                if args.prompt_file is not None else args.prompt)
+        prompts = [("prompt", text, args.max_tokens)]
+    reports, failed = [], 0
+    with Engine.load(args.model, learned=False, **_engine_config(args)) as engine:
+        for pid, prompt, max_tokens in prompts:
+            if args.output_file is not None:
+                out = Path(args.output_file).read_text(encoding="utf-8")
+                runs = [("given", engine.tokenize(out, add_bos=False))]
+            else:
+                runs = [(m, engine.generate(prompt, max_tokens=min(max_tokens, args.max_tokens),
+                                            mode=m).token_ids) for m in modes]
+            for mode, ids in runs:
+                rep = engine.verify_output(prompt, ids)
+                failed += not rep.ok
+                where = ", ".join(f"{p} (gap {g:.3f})" for p, g in
+                                  zip(rep.mismatches, rep.gaps))
+                print(f"{pid} [{mode}] {rep.summary()}" + (f"; at {where}" if where else ""))
+                reports.append({"prompt_id": pid, "mode": mode, **rep.to_dict()})
+    if args.json:
+        Path(args.json).write_text(json.dumps(reports, indent=1), encoding="utf-8")
+    if failed:
+        print(f"{failed} output(s) differ from plain decoding beyond the rounding noise",
+              file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _cmd_ui(args: argparse.Namespace) -> int:

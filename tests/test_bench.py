@@ -448,12 +448,41 @@ def test_run_bench_interleaves_modes_warms_up_and_compares_greedy_tokens():
         run_bench(eng, prompts, ["ar", "lcp-pld"], progress=False)
 
 
+def test_run_bench_verifies_each_distinct_greedy_output_once():
+    from srsd_local.bench.report import summarise
+    from srsd_local.engine.verify import VerifyReport
+
+    seen = []
+
+    def verify(prompt, ids):
+        seen.append((prompt, tuple(ids)))
+        bad = [5] if prompt == "P1" else []
+        return VerifyReport(len(ids), bad, [0.5] * len(bad), [1] * len(bad), 0.3, 0.4)
+
+    eng = FakeEngine()
+    prompts = [BenchPrompt("g", "c", "P1", 20), BenchPrompt("s", "c", "P2", 20, 0.8, 1)]
+    peers = {"llama-server": FakePeer([7]), "llama-server-spec": FakePeer(None)}
+    modes = ["ar", "pld", "llama-server", "llama-server-spec"]
+    recs = run_bench(eng, prompts, modes, peers=peers, progress=False, verify=verify)
+    by = {(r.prompt_id, r.mode): r.verify for r in recs}
+    # greedy outputs only; the peer without token ids is not checked; equal outputs once
+    assert by[("s", "ar")] is None and by[("g", "llama-server-spec")] is None
+    assert by[("g", "ar")]["positions"] == 20 and by[("g", "ar")]["beyond_noise"] == [5]
+    assert len(seen) == len(set(seen)) == 2  # llama-server's output equals ar's: checked once
+    assert by[("g", "llama-server")] == by[("g", "ar")]
+    v = summarise(recs, modes)["modes"]["ar"]["verify"]
+    assert v == {"outputs": 1, "positions": 20, "mismatches": 1, "beyond_noise": 1,
+                 "worst_gap": 0.5, "noise": 0.4}
+    assert "20 / 1 / 0.50 / 0.40 (1 beyond noise)" in table(summarise(recs, modes), modes)
+
+
 def _args(tmp_path: Path, modes: str, **kw) -> SimpleNamespace:
     w = tmp_path / "w.jsonl"
     w.write_text("".join(json.dumps({"id": f"p{i}", "category": "code_edit", "prompt": f"x{i}",
                                      "max_tokens": 8}) + "\n" for i in range(3)))
     base = dict(workload=str(w), modes=modes, max_prompts=2, repeats=1, json=None, plot=None,
-                doc=None, label="T", llama_server=str(tmp_path / "missing" / "llama-server"))
+                doc=None, label="T", llama_server=str(tmp_path / "missing" / "llama-server"),
+                no_verify=True)
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -506,6 +535,9 @@ def test_real_bench_run_writes_table_json_plot_and_doc(tmp_path):
         assert data["modes"][m]["tokens"] == 24
     assert data["modes"]["ar"]["speedup_vs_ar"] == 1.0
     assert data["modes"]["ar"]["host_ms_plain"] > 0
+    for m in ("ar", "srsd"):  # every greedy output checked at every position
+        v = data["modes"][m]["verify"]
+        assert v["positions"] == 24 and v["beyond_noise"] == 0 and v["noise"] >= 0
     assert data["categories"]["code_edit"]["srsd"]["tokens"] == 24
     assert data["machine"]["cores"] >= 1 and len(data["prompts"]) == 3
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"

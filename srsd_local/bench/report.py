@@ -32,12 +32,34 @@ class RunRecord:
     token_ids: list[int] | None = None  # None: the peer could not return them
     identical_to_ar: bool | None = None  # greedy prompts only
     peer: bool = False
+    verify: dict[str, Any] | None = None  # VerifyReport.to_dict() (greedy, when checked)
 
     def to_dict(self) -> dict[str, Any]:
         return {"prompt_id": self.prompt_id, "category": self.category, "mode": self.mode,
                 "repeat": self.repeat, "peer": self.peer, "tokens": self.stats.tokens,
                 "seconds": self.stats.seconds, "identical_to_ar": self.identical_to_ar,
-                "token_ids": self.token_ids, "stats": self.stats.to_dict()}
+                "token_ids": self.token_ids, "stats": self.stats.to_dict(),
+                "verify": self.verify}
+
+
+def verify_totals(reports: Iterable[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """Positions checked against plain decoding, mismatches, those beyond the measured
+    rounding noise, the worst mismatch gap and the largest noise, over several reports."""
+    reps = [r for r in reports if r is not None]
+    if not reps:
+        return None
+    return {"outputs": len(reps), "positions": sum(r["positions"] for r in reps),
+            "mismatches": sum(len(r["mismatches"]) for r in reps),
+            "beyond_noise": sum(len(r["beyond_noise"]) for r in reps),
+            "worst_gap": max(r["worst_gap"] for r in reps),
+            "noise": max(r["noise"] for r in reps)}
+
+
+def _verify_cell(v: dict[str, Any] | None) -> str:
+    if v is None:
+        return "-"
+    cell = f"{v['positions']} / {v['mismatches']} / {v['worst_gap']:.2f} / {v['noise']:.2f}"
+    return cell + (f" ({v['beyond_noise']} beyond noise)" if v["beyond_noise"] else "")
 
 
 # -- aggregation -------------------------------------------------------------------------------
@@ -72,6 +94,7 @@ def aggregate(recs: Iterable[RunRecord], mode: str) -> dict[str, Any]:
         "host_ms_tree": t.host_ms_tree if t.drafts else None,
         "prompt_tokens": t.prompt_tokens, "prompt_seconds": t.prompt_seconds,
         "identical_to_ar": (sum(same), len(same)) if same else None,
+        "verify": verify_totals(r.verify for r in recs),
     }
 
 
@@ -106,11 +129,13 @@ def _blocks(summary: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
 def table(summary: dict[str, Any], modes: Sequence[str]) -> str:
     """tokens/s, speed-ups, tokens per step, acceptance (drafted tokens accepted: tree nodes
     for the engine, draft_n_accepted / draft_n for llama-server), host ms per plain step and
-    per verified tree, and greedy outputs identical to ar."""
+    per verified tree, greedy outputs identical to ar, and the check against plain decoding at
+    every position: positions checked / mismatches / worst mismatch gap / rounding noise."""
     spec = SPEC_PEER in modes
     cols = ["category", "mode", "tokens/s", "speedup vs ar"]
     cols += [f"speedup vs {SPEC_PEER}"] if spec else []
-    cols += ["tokens/step", "acceptance", "host ms / plain step", "host ms / tree", "same as ar"]
+    cols += ["tokens/step", "acceptance", "host ms / plain step", "host ms / tree", "same as ar",
+             "checked / mismatches / worst gap / noise"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for cat, block in _blocks(summary):
         for m in modes:
@@ -121,7 +146,8 @@ def table(summary: dict[str, Any], modes: Sequence[str]) -> str:
                 cells.append(f"{_fmt(a['speedup_vs_llama_server_spec'])}x")
             cells += [_fmt(a["mean_accepted_length"]), _fmt(a["acceptance_rate"], ".0%"),
                       _fmt(a["host_ms_plain"], ".3f"), _fmt(a["host_ms_tree"], ".3f"),
-                      "-" if same is None else f"{same[0]}/{same[1]}"]
+                      "-" if same is None else f"{same[0]}/{same[1]}",
+                      _verify_cell(a["verify"])]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -46,11 +46,16 @@ def parse_modes(text: str) -> list[str]:
     return modes
 
 
+Verifier = Callable[[str, list[int]], Any]  # (prompt, output ids) -> a VerifyReport
+
+
 def run_bench(engine: Any, prompts: Sequence[BenchPrompt], modes: Sequence[str],
               repeats: int = 1, peers: Mapping[str, Peer] | None = None,
-              progress: bool = True) -> list[RunRecord]:
+              progress: bool = True, verify: Verifier | None = None) -> list[RunRecord]:
     """Every mode on every prompt, `repeats` times, modes interleaved per prompt; a greedy
-    run's tokens are compared with the same prompt's `ar` run."""
+    run's tokens are compared with the same prompt's `ar` run and, with `verify`, checked
+    against plain decoding at every position (after the timed run; an output seen before for
+    the same prompt is checked once)."""
     from tqdm import tqdm  # noqa: PLC0415
 
     peers = peers or {}
@@ -72,6 +77,16 @@ def run_bench(engine: Any, prompts: Sequence[BenchPrompt], modes: Sequence[str],
     for mode in modes:  # excluded from timing
         one(warm, mode, -1)
     records: list[RunRecord] = []
+    checked: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
+
+    def check(p: BenchPrompt, rec: RunRecord) -> None:
+        if verify is None or rec.token_ids is None or p.temperature != 0.0:
+            return
+        key = (p.id, tuple(rec.token_ids))
+        if key not in checked:
+            checked[key] = verify(p.prompt, rec.token_ids).to_dict()
+        rec.verify = checked[key]
+
     bar = tqdm(total=len(prompts) * len(modes) * repeats, desc="bench", unit="run",
                disable=not progress)
     try:
@@ -86,6 +101,7 @@ def run_bench(engine: Any, prompts: Sequence[BenchPrompt], modes: Sequence[str],
                     elif ar_ids is not None and rec.token_ids is not None \
                             and p.temperature == 0.0:
                         rec.identical_to_ar = rec.token_ids == ar_ids
+                    check(p, rec)
                     records.append(rec)
                     bar.update(1)
     finally:
@@ -136,7 +152,8 @@ def main_bench(args: Any, engine_factory: Callable[[], Any]) -> int:
     try:
         modes, peers = start_peers(modes, PeerSettings.of(engine),
                                    getattr(args, "llama_server", None))
-        records = run_bench(engine, prompts, modes, args.repeats, peers)
+        verify = None if getattr(args, "no_verify", False) else engine.verify_output
+        records = run_bench(engine, prompts, modes, args.repeats, peers, verify=verify)
         summary = summarise(records, modes)
         summary["machine"] = machine_info(engine)
         summary["config"] = engine.config.to_dict()

@@ -42,6 +42,7 @@ from .calibrate import CALIBRATED_FIELDS, load_calibration_file
 from .emit import Emitter, check_stop
 from .profile import load_cost_model, save_cost_model
 from .stats import GenerationStats
+from .verify import VerifyReport, verify_tokens
 
 
 @dataclass
@@ -322,6 +323,12 @@ class Engine:
             pending = path_tokens[1:] + [y]
             drafted = [True] * (len(path) - 1) + [False]
             x = y
+
+    def verify_output(self, prompt: str | Sequence[int], tokens: Sequence[int]) -> VerifyReport:
+        """Check a greedy output of `prompt` against plain decoding at every position, with
+        the rounding noise measured in the same call (see engine/verify.py). Resets the
+        context."""
+        return verify_tokens(self, prompt, tokens)
 
     def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:
         return collect(self.stream(prompt, **kwargs))
