@@ -37,6 +37,7 @@ class FakeBackend:
         self.decode_seconds = 0.0
         self.step_cost = step_cost  # n tokens -> seconds a decode takes (slept), if given
         self.n_layer = 4
+        self.can_speculate = True  # False: a recurrent model (no partial roll-back)
         self.noise, self.margin = noise, margin
         self._emb = np.random.default_rng(0).normal(size=(VOCAB * VOCAB, N_EMBD))
 
@@ -120,6 +121,9 @@ class FakeBackend:
     def fork(self, n_branches: int) -> None:
         for s in range(1, n_branches):
             self.seqs[s] = list(self.seqs[0])
+
+    def abandon(self, n_branches: int) -> None:
+        self.seqs = {0: self.seqs[0][: self.n_past]}
 
     def commit(self, branch: int, n_keep: int, n_branches=None) -> None:
         kept = self.seqs[branch][: self.n_past + n_keep]

@@ -147,3 +147,38 @@ def test_stats_are_consistent():
 def test_collect_needs_a_finish_event():
     with pytest.raises(RuntimeError):
         collect(iter([]))
+
+
+def test_an_error_during_verification_leaves_no_tree_in_the_cache(monkeypatch):
+    import srsd_local.engine.engine as engine_mod
+
+    plain = make_engine().generate(PROMPT, max_tokens=40, mode="ar")
+    eng = make_engine()
+    real_walk, calls = engine_mod.walk_tree, []
+
+    def failing_walk(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("planted failure")
+        return real_walk(*args)
+
+    monkeypatch.setattr(engine_mod, "walk_tree", failing_walk)
+    with pytest.raises(RuntimeError, match="planted failure"):
+        eng.generate(PROMPT, max_tokens=40, mode="srsd")
+    be = eng.backend
+    assert set(be.seqs) == {0} and len(be.seqs[0]) == be.n_past  # branches and tree gone
+    again = eng.generate(PROMPT, max_tokens=40, mode="srsd")  # reuses the prompt's cells
+    assert again.token_ids == plain.token_ids and again.stats.accepted_tokens > 0
+
+
+def test_a_model_that_cannot_roll_back_decodes_plainly(capsys):
+    be = FakeBackend()
+    be.can_speculate = False
+    eng = Engine(be, SRSDConfig(index_backend="numpy", n_ctx=512))
+    assert "decodes plainly" in capsys.readouterr().err
+    plain = make_engine().generate(PROMPT, max_tokens=40, mode="ar")
+    out = eng.generate(PROMPT, max_tokens=40, mode="srsd")
+    assert out.token_ids == plain.token_ids and out.stats.drafts == 0
+    assert set(out.stats.tree_sizes) == {1}
+    eng.generate(PROMPT, max_tokens=8, mode="srsd")  # no prefix reuse: prefilled again
+    assert be.decode_calls[-8] == len(be.tokenize(PROMPT))

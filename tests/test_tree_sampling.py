@@ -148,3 +148,66 @@ def test_walk_tree_rejects_at_root():
 
     path, y = walk_tree(t, row, Sampler(SamplingParams()))
     assert path == [0] and y == 5
+
+
+# -- sampled verification draws plain sampling's distribution -----------------------------------
+V_SMALL = 6
+SHAPES = {  # drafts under the root (the known next token)
+    "chain3": [[1, 2, 3]],
+    "wide4": [[0], [1], [2], [3]],
+    "tree": [[1, 2], [1, 3], [2, 0, 5], [4]],
+}
+PARAMS = {
+    "temperature": dict(temperature=1.0),
+    "top_k": dict(temperature=0.7, top_k=3),
+    "top_p": dict(temperature=1.3, top_p=0.8),
+    "min_p": dict(temperature=1.0, min_p=0.1),
+    "all": dict(temperature=0.9, top_k=4, top_p=0.9, min_p=0.05),
+}
+
+
+def _logits_after(tokens: tuple[int, ...]) -> np.ndarray:
+    """The toy model: fixed logits for every continuation of the root."""
+    seed = 1 + sum((t + 1) * 7 ** i for i, t in enumerate(tokens))
+    return (np.random.default_rng(seed).normal(size=V_SMALL) * 1.5).astype(np.float32)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("pname", sorted(PARAMS))
+def test_sampled_tree_walk_has_the_plain_distribution(shape, pname):
+    """Chi-square: the first two tokens a tree step emits (continuing plainly when the walk
+    stops at the root) are distributed as plain sampling's two draws, for trees of several
+    widths and depths under each sampling filter. Seeds are fixed, so the verdict is too."""
+    from scipy.stats import chisquare
+
+    params = SamplingParams(seed=None, **PARAMS[pname])
+    tree = TokenTree(0)
+    for d in SHAPES[shape]:
+        tree.insert(d, 1.0)
+    paths = {0: ()}
+    for i in range(1, len(tree)):
+        paths[i] = paths[tree.parents[i]] + (tree.tokens[i],)
+
+    def probs(prefix: tuple[int, ...]) -> np.ndarray:
+        ids, p = distribution(_logits_after(prefix), params)
+        full = np.zeros(V_SMALL)
+        full[ids] = p
+        return full
+
+    n = 6000
+    counts = np.zeros((V_SMALL, V_SMALL))
+    for seed in range(n):
+        sampler = Sampler(SamplingParams(seed=seed, **PARAMS[pname]))
+        path, y = walk_tree(tree, lambda i: _logits_after(paths[i]), sampler)
+        seq = [tree.tokens[i] for i in path[1:]] + [y]
+        if len(seq) < 2:
+            seq.append(sampler(_logits_after(tuple(seq))))
+        counts[seq[0], seq[1]] += 1
+    p1 = probs(())
+    expected = np.array([[p1[a] * probs((a,))[b] for b in range(V_SMALL)]
+                         for a in range(V_SMALL)]) * n
+    assert counts[expected == 0].sum() == 0, "a filtered-out token was emitted"
+    keep = expected > 0
+    exp = expected[keep] * (n / expected[keep].sum())  # float rounding of the product sums
+    res = chisquare(counts[keep], exp)
+    assert res.pvalue > 1e-3, (shape, pname, res)

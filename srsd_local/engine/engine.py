@@ -18,6 +18,7 @@ Contract:
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -77,6 +78,12 @@ class Engine:
         self._prompt_end: tuple[int, np.ndarray, np.ndarray | None] | None = None
         self._acceptance_name: str | None = None  # where learned acceptance is kept
         self._profile: tuple[str, str] | None = None  # (file, key) of the cost profile
+        # a recurrent or hybrid model cannot roll back part of a sequence: plain steps only
+        self.plain_only = not getattr(backend, "can_speculate", True)
+        if self.plain_only:
+            print(f"srsd-local: {backend.name} keeps a recurrent state that cannot roll back "
+                  "part of a sequence: every mode decodes plainly (no speculation)",
+                  file=sys.stderr)
 
     @classmethod
     def load(cls, model: str | Path | None = None, *, learned: bool = True, **config: Any
@@ -197,6 +204,8 @@ class Engine:
         diff = np.flatnonzero(self._ctx[:limit] != prompt[:limit])
         common = int(diff[0]) if len(diff) else limit
         common = min(common, len(self.index))
+        if self.plain_only:  # a recurrent state cannot be cut back to a common prefix
+            common = 0
         saved = self._prompt_end
         if common == n and saved is not None and saved[0] == n - 1:
             be.trim(n)
@@ -283,7 +292,7 @@ class Engine:
             # 3. propose: a tree rooted at x that pays for itself, or None (plain step)
             n = be.n_past
             ta, in_decode = time.perf_counter(), be.decode_seconds
-            room = self.speculator.room(req, be.n_ctx - n - 2)
+            room = 0 if self.plain_only else self.speculator.room(req, be.n_ctx - n - 2)
             plan = self.speculator.propose(
                 req, DraftInput(self._ctx[:n], x, self._last_hidden,
                                 self.index if req.uses_index else None), room) if room else None
@@ -296,9 +305,13 @@ class Engine:
             else:
                 lay = plan.tree.layout()
                 be.fork(lay.n_branches)
-                dec = be.decode(lay.tokens, positions=n + lay.depths, seq_ids=lay.seq_ids,
-                                want_logits="all")
-                path, y = walk_tree(plan.tree, dec.logits.__getitem__, sampler)
+                try:
+                    dec = be.decode(lay.tokens, positions=n + lay.depths, seq_ids=lay.seq_ids,
+                                    want_logits="all")
+                    path, y = walk_tree(plan.tree, dec.logits.__getitem__, sampler)
+                except BaseException:  # nothing of the tree may stay in the cache
+                    be.abandon(lay.n_branches)
+                    raise
                 be.commit(lay.seq_ids[path[-1]][0], len(path), lay.n_branches)
                 path_tokens = [plan.tree.tokens[i] for i in path]
             tc = time.perf_counter()

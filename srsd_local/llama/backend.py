@@ -161,6 +161,10 @@ class Backend:
             self._views: dict[tuple[int | None, int], np.ndarray] = {}
             self.n_past = 0  # tokens of sequence 0 in the KV cache
             self.decode_seconds = 0.0  # time spent inside llama_decode, ever
+            # recurrent and hybrid models keep a state that cannot roll back part of a
+            # sequence: no trees there (the engine decodes plainly and says so once)
+            self.can_speculate = not (L.llama_model_is_recurrent(self.model)
+                                      or L.llama_model_is_hybrid(self.model))
         except BaseException:
             self.close()
             raise
@@ -412,12 +416,27 @@ class Backend:
                 L.llama_memory_seq_cp(mem, branch, 0, -1, -1)
                 L.llama_memory_seq_keep(mem, 0)
         self.n_past += n_keep
-        L.llama_memory_seq_rm(mem, 0, self.n_past, -1)
+        self._seq_rm(0, self.n_past)
+
+    def abandon(self, n_branches: int) -> None:
+        """Undo a tree pass that will not be committed (an error between `fork` and
+        `commit`): the branch sequences and the tree's cells in sequence 0 are removed, so
+        the cache holds the committed context only."""
+        L, mem = self._L, self.mem
+        for s in range(1, n_branches):
+            L.llama_memory_seq_rm(mem, s, -1, -1)
+        self._seq_rm(0, self.n_past)
+
+    def _seq_rm(self, seq: int, start: int) -> None:
+        if not self._L.llama_memory_seq_rm(self.mem, seq, start, -1):
+            raise DecodeError(f"llama.cpp could not remove positions {start}.. of sequence "
+                              f"{seq} (this model's memory cannot roll back part of a "
+                              "sequence)")
 
     def trim(self, n: int) -> None:
         """Drop everything from position n on."""
         if n < self.n_past:
-            self._L.llama_memory_seq_rm(self.mem, -1, n, -1)
+            self._seq_rm(-1, n)
             self.n_past = n
 
     def clear(self) -> None:
