@@ -1,9 +1,10 @@
 """srsd-local: a local LLM runtime on llama.cpp with Semantic Retrieval Speculative Decoding."""
 
 from .config import SamplingParams, SRSDConfig
-from .engine import Engine, GenerationResult, GenerationStats, StreamEvent
+from .engine import Engine, GenerationResult, GenerationStats, StreamEvent, VerifyReport
 from .llama.models import ModelError, resolve_model
+from .spec.sampling import TokenLogprob
 
 __all__ = ["Engine", "GenerationResult", "GenerationStats", "ModelError", "SRSDConfig",
-           "SamplingParams", "StreamEvent", "resolve_model"]
+           "SamplingParams", "StreamEvent", "TokenLogprob", "VerifyReport", "resolve_model"]
 __version__ = "0.1.0"

@@ -81,3 +81,17 @@ def test_sampled_tokens_have_plain_distribution_over_seeds(engine):
     drafted = sum(engine.generate(prompt, seed=s, mode="srsd", **kw).stats.accepted_tokens
                   for s in range(10))
     assert drafted > 0, "the edit prompt must accept drafts, or nothing was tested"
+
+
+def test_logprobs_of_speculative_tokens_match_plain_ones(engine):
+    prompt = edit_prompt()
+    plain = engine.generate(prompt, max_tokens=40, mode="ar", logprobs=2)
+    spec = engine.generate(prompt, max_tokens=40, mode="srsd", logprobs=2)
+    assert spec.stats.accepted_tokens > 0 and len(spec.logprobs) == len(spec.token_ids)
+    rep = engine.verify_output(prompt, spec.token_ids)
+    same = next((i for i, (a, b) in enumerate(zip(plain.token_ids, spec.token_ids)) if a != b),
+                len(spec.token_ids))
+    for a, b in zip(plain.logprobs[:same], spec.logprobs[:same]):
+        # a log-probability moves by at most twice the largest logit drift measured
+        assert abs(a.logprob - b.logprob) <= 2 * rep.drift + 1e-4
+        assert b.top[0][0] == b.token or b.top[0][1] - b.logprob <= rep.noise

@@ -182,3 +182,31 @@ def test_a_model_that_cannot_roll_back_decodes_plainly(capsys):
     assert set(out.stats.tree_sizes) == {1}
     eng.generate(PROMPT, max_tokens=8, mode="srsd")  # no prefix reuse: prefilled again
     assert be.decode_calls[-8] == len(be.tokenize(PROMPT))
+
+
+@pytest.mark.parametrize("mode", ["ar", "srsd", "pld"])
+def test_logprobs_come_with_every_token_and_equal_plain_ones(mode):
+    import numpy as np
+
+    plain = make_engine().generate(PROMPT, max_tokens=30, mode="ar", logprobs=3)
+    eng = make_engine()
+    out = eng.generate(PROMPT, max_tokens=30, mode=mode, logprobs=3, stop=["zzz"])
+    assert out.token_ids == plain.token_ids and len(out.logprobs) == 30
+    for lp, ref, tok in zip(out.logprobs, plain.logprobs, out.token_ids):
+        assert lp.token == tok and lp.logprob == pytest.approx(ref.logprob, abs=1e-6)
+        assert [t for t, _ in lp.top] == [t for t, _ in ref.top] and len(lp.top) == 3
+        assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1] and lp.logprob <= 0
+        # greedy: the emitted token is the most likely one
+        assert lp.top[0][0] == tok and lp.top[0][1] == pytest.approx(lp.logprob)
+    # the fake model's probabilities are what its logits say
+    be = FakeBackend()
+    row = be._logits(be.tokenize(PROMPT))
+    want = row[out.token_ids[0]] - np.log(np.exp(row - row.max()).sum()) - row.max()
+    assert out.logprobs[0].logprob == pytest.approx(float(want), abs=1e-5)
+    assert eng.generate(PROMPT, max_tokens=5, mode=mode).logprobs is None
+
+
+@pytest.mark.parametrize("bad", [-1, 21, 1.5, True])
+def test_bad_logprobs_are_refused(bad):
+    with pytest.raises(ValueError, match="logprobs"):
+        make_engine().generate(PROMPT, max_tokens=3, logprobs=bad)

@@ -2,5 +2,7 @@
 
 from .engine import Engine, GenerationResult, StreamEvent, collect
 from .stats import GenerationStats
+from .verify import VerifyReport
 
-__all__ = ["Engine", "GenerationResult", "GenerationStats", "StreamEvent", "collect"]
+__all__ = ["Engine", "GenerationResult", "GenerationStats", "StreamEvent", "VerifyReport",
+           "collect"]

@@ -36,7 +36,7 @@ from ..spec.acceptance import AcceptanceModel
 from ..spec.cost import CostModel
 from ..spec.draft import DraftInput
 from ..spec.index import VectorIndex
-from ..spec.sampling import Sampler
+from ..spec.sampling import MAX_TOP_LOGPROBS, Sampler, TokenLogprob, token_logprob
 from ..spec.speculator import SEED_TRIALS, Speculator
 from ..spec.verify import walk_tree
 from .calibrate import CALIBRATED_FIELDS, load_calibration_file
@@ -53,6 +53,7 @@ class StreamEvent:
     drafted: list[bool]  # per token: did it come from an accepted draft?
     finish_reason: str | None = None  # "stop" | "length" on the last event
     stats: GenerationStats | None = None  # on the last event
+    logprobs: list[TokenLogprob] | None = None  # per token, when asked for
 
 
 @dataclass
@@ -61,6 +62,7 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # per token, when asked for
 
 
 class Engine:
@@ -248,8 +250,13 @@ class Engine:
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                min_p: float = 0.0, seed: int | None = None,
                stop: str | Sequence[str] | None = None,
-               mode: str | None = None) -> Iterator[StreamEvent]:
+               mode: str | None = None, logprobs: int | None = None
+               ) -> Iterator[StreamEvent]:
         """Generate from `prompt` (text, or token ids including BOS); yields StreamEvents.
+
+        `logprobs`: None (off), or how many most likely alternatives to report with each
+        emitted token's log-probability (0..20); with speculation they come from the rows the
+        verification pass computed anyway.
 
         1. prefill (reusing what the context already holds), sample the first token x;
         then each step: 2. emit, 3. propose a tree rooted at x, 4. verify it in one forward
@@ -257,6 +264,10 @@ class Engine:
         mode = self.config.mode if mode is None else mode
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise ValueError(f"invalid max_tokens={max_tokens!r}: accepted is an integer >= 0")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"invalid logprobs={logprobs!r}: accepted is None or an integer "
+                             f"0..{MAX_TOP_LOGPROBS}")
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                 seed=seed)
         req = self.speculator.begin(mode, params.greedy)
@@ -276,18 +287,22 @@ class Engine:
         t1 = time.perf_counter()
         stats.prompt_seconds = t1 - t0
         if max_tokens == 0:
-            yield StreamEvent("", [], [], "length", stats)
+            yield StreamEvent("", [], [], "length", stats, [] if logprobs is not None else None)
             return
         pending, drafted = [x], [False]  # x: chosen, not yet in the KV cache
+        # per pending token, when asked for: its log-probability from the row it was drawn from
+        lps = None if logprobs is None else [token_logprob(last_logits, x, logprobs)]
         while True:
             # 2. emit, applying EOS / stop strings / max_tokens token by token
             out = emit.push(pending, drafted, out_of_room=be.n_past >= be.n_ctx)
             stats.tokens = emit.count
+            ev_lps = None if lps is None else lps[: len(out.token_ids)]
             if out.finish_reason is not None:
                 stats.seconds = time.perf_counter() - t1
-                yield StreamEvent(out.text, out.token_ids, out.drafted, out.finish_reason, stats)
+                yield StreamEvent(out.text, out.token_ids, out.drafted, out.finish_reason, stats,
+                                  ev_lps)
                 return
-            yield StreamEvent(out.text, out.token_ids, out.drafted)
+            yield StreamEvent(out.text, out.token_ids, out.drafted, logprobs=ev_lps)
 
             # 3. propose: a tree rooted at x that pays for itself, or None (plain step)
             n = be.n_past
@@ -335,6 +350,9 @@ class Engine:
                                    forecast_depths=t.depths[1:len(plan.probs)], **times)
             pending = path_tokens[1:] + [y]
             drafted = [True] * (len(path) - 1) + [False]
+            if logprobs is not None:  # pending[i] was drawn from the row of node path[i]
+                lps = [token_logprob(dec.logits[node], tok, logprobs)
+                       for node, tok in zip(path, pending)]
             x = y
 
     def verify_output(self, prompt: str | Sequence[int], tokens: Sequence[int]) -> VerifyReport:
@@ -357,10 +375,13 @@ class Engine:
 def collect(events: Iterator[StreamEvent]) -> GenerationResult:
     parts: list[str] = []
     ids: list[int] = []
+    lps: list[TokenLogprob] | None = None
     for ev in events:
         parts.append(ev.text)
         ids.extend(ev.token_ids)
+        if ev.logprobs is not None:
+            lps = (lps or []) + ev.logprobs
         if ev.finish_reason is not None:
             assert ev.stats is not None
-            return GenerationResult("".join(parts), ids, ev.finish_reason, ev.stats)
+            return GenerationResult("".join(parts), ids, ev.finish_reason, ev.stats, lps)
     raise RuntimeError("the generation ended without a finish event")

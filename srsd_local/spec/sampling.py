@@ -7,6 +7,8 @@ seeded generator, in the same order.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..config import SamplingParams
@@ -85,3 +87,30 @@ class Sampler:
             return int(np.argmax(logits))
         ids, p = distribution(logits, self.params)
         return int(ids[_pick(p, self.rng.random())])
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the model's raw distribution (softmax of the
+    logits, before temperature and filters), and the `top` most likely tokens with theirs."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+MAX_TOP_LOGPROBS = 20
+
+
+def token_logprob(logits: np.ndarray, token: int, n_top: int = 0) -> TokenLogprob:
+    """log softmax(logits)[token], and the n_top best tokens (most likely first, ties by id)."""
+    x = np.asarray(logits, dtype=np.float32).reshape(-1)
+    m = float(x.max())
+    lse = m + float(np.log(np.exp(x - m, dtype=np.float32).sum(dtype=np.float64)))
+    top: tuple[tuple[int, float], ...] = ()
+    if n_top > 0:
+        k = min(n_top, x.shape[0])
+        ids = np.argpartition(-x, k - 1)[:k]
+        ids = ids[np.lexsort((ids, -x[ids]))]
+        top = tuple((int(i), float(x[i]) - lse) for i in ids)
+    return TokenLogprob(int(token), float(x[token]) - lse, top)
