@@ -43,6 +43,17 @@ class Environment:
     - SRSD_VERBOSE: non-empty shows llama.cpp's log
     - SRSD_CAPTURE: "python" forces the Python eval callback instead of the compiled one
     - CC: the C compiler for the compiled callback (else cc, gcc or clang)
+
+    and, to find and download models where other tools keep them (the standard variables of
+    those tools, read here at call time and handed to huggingface_hub explicitly):
+
+    - HF_ENDPOINT: the Hugging Face hub (default https://huggingface.co)
+    - HF_HUB_CACHE, else HF_HOME/hub: the hub's download cache (default
+      $XDG_CACHE_HOME/huggingface/hub or ~/.cache/huggingface/hub)
+    - HF_HUB_OFFLINE: non-empty and not 0/false: never ask the hub, use the cache only
+      (HF_TOKEN is read by huggingface_hub itself)
+    - OLLAMA_MODELS: Ollama's model store (default ~/.ollama/models)
+    - HOME: LM Studio's folders ~/.lmstudio/models and ~/.cache/lm-studio/models
     """
 
     cache_dir: Path
@@ -50,17 +61,38 @@ class Environment:
     verbose: bool
     capture: str
     cc: str | None
+    hf_endpoint: str = "https://huggingface.co"
+    hf_cache: Path = Path("~/.cache/huggingface/hub")
+    hf_offline: bool = False
+    ollama_dir: Path = Path("~/.ollama/models")
+    lmstudio_dirs: tuple[Path, ...] = ()
+
+
+def _path(value: str) -> Path:
+    return Path(os.path.expandvars(value)).expanduser()
 
 
 def environment() -> Environment:
     env = os.environ
-    xdg = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    home = Path.home()
+    xdg = Path(env.get("XDG_CACHE_HOME") or home / ".cache")
     cache = Path(env["SRSD_CACHE_DIR"]).expanduser() if env.get("SRSD_CACHE_DIR") else \
         xdg / "srsd-local"
     models = Path(env["SRSD_MODELS_DIR"]).expanduser() if env.get("SRSD_MODELS_DIR") else None
+    hf_home = _path(env["HF_HOME"]) if env.get("HF_HOME") else xdg / "huggingface"
+    hub_cache = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE")
+    offline = env.get("HF_HUB_OFFLINE") or env.get("TRANSFORMERS_OFFLINE") or ""
     return Environment(cache_dir=cache, models_dir=models, verbose=bool(env.get("SRSD_VERBOSE")),
                        capture="python" if env.get("SRSD_CAPTURE", "").lower() == "python"
-                       else "c", cc=env.get("CC") or None)
+                       else "c", cc=env.get("CC") or None,
+                       hf_endpoint=(env.get("HF_ENDPOINT") or "https://huggingface.co"
+                                    ).rstrip("/"),
+                       hf_cache=_path(hub_cache) if hub_cache else hf_home / "hub",
+                       hf_offline=offline.strip().lower() not in ("", "0", "false", "no", "off"),
+                       ollama_dir=_path(env["OLLAMA_MODELS"]) if env.get("OLLAMA_MODELS")
+                       else home / ".ollama" / "models",
+                       lmstudio_dirs=(home / ".lmstudio" / "models",
+                                      home / ".cache" / "lm-studio" / "models"))
 
 
 def default_threads() -> int:
@@ -78,12 +110,17 @@ class SRSDConfig:
     """
 
     # llama.cpp context
-    n_ctx: int = 4096
+    n_ctx: int = 4096  # tokens of context each request gets
     n_batch: int = 512
     n_ubatch: int = 512
-    n_seq_max: int = 32
+    n_seq_max: int = 0  # sequence ids; 0: parallel * (max_branches + 1), as the slots need
     n_threads: int = 0  # 0: one per available core
     n_gpu_layers: int = 0  # -1: all layers
+    # concurrency: requests decoded side by side in one batch (0: 4 with GPU layers, else 1),
+    # and the most prompt tokens prefilled per step while other requests decode (0: 512 with
+    # GPU layers, else 256)
+    parallel: int = 0
+    prefill_chunk: int = 0
     # generation
     mode: str = "srsd"
     # hidden-state capture and retrieval
@@ -109,7 +146,9 @@ class SRSDConfig:
         _int("n_ctx", self.n_ctx, 64)
         _int("n_batch", self.n_batch, 1)
         _int("n_ubatch", self.n_ubatch, 1)
-        _int("n_seq_max", self.n_seq_max, 1, 256)
+        _int("n_seq_max", self.n_seq_max, 0, 256)
+        _int("parallel", self.parallel, 0, 64)
+        _int("prefill_chunk", self.prefill_chunk, 0)
         _int("n_threads", self.n_threads, 0)
         _int("n_gpu_layers", self.n_gpu_layers, -1)
         _check(self.mode in MODES, "mode", self.mode, "one of " + ", ".join(MODES))
@@ -136,8 +175,29 @@ class SRSDConfig:
                f"a value <= n_batch ({self.n_batch})")
         _check(self.max_nodes + 1 <= self.n_ubatch, "max_nodes", self.max_nodes,
                f"a value < n_ubatch ({self.n_ubatch}): a tree is verified in one ubatch")
-        _check(self.max_branches + 1 <= self.n_seq_max, "max_branches", self.max_branches,
-               f"a value < n_seq_max ({self.n_seq_max}): one sequence id per branch")
+        need = self.slots * (self.max_branches + 1)
+        if self.n_seq_max:
+            _check(need <= self.n_seq_max, "max_branches", self.max_branches,
+                   f"a value with parallel * (max_branches + 1) <= n_seq_max "
+                   f"({self.n_seq_max}): one sequence id per branch of every slot")
+        _check(need <= 256, "max_branches", self.max_branches,
+               "a value with parallel * (max_branches + 1) <= 256 (llama.cpp's sequence ids)"
+               f"; parallel is {self.slots}")
+
+    @property
+    def slots(self) -> int:
+        """Requests decoded side by side (`parallel`, resolved)."""
+        return self.parallel or (4 if self.n_gpu_layers != 0 else 1)
+
+    @property
+    def seq_max(self) -> int:
+        """Sequence ids of the llama.cpp context (`n_seq_max`, resolved)."""
+        return self.n_seq_max or self.slots * (self.max_branches + 1)
+
+    @property
+    def chunk(self) -> int:
+        """Prompt tokens prefilled per step while others decode (`prefill_chunk`, resolved)."""
+        return self.prefill_chunk or (512 if self.n_gpu_layers != 0 else 256)
 
     @property
     def threads(self) -> int:

@@ -92,9 +92,9 @@ class FakeBackend:
         ids = [[0]] * n if seq_ids is None else [list(s) for s in seq_ids]
         if max(pos) + 1 > self.n_ctx:
             raise ContextFullError(f"context is full: {max(pos) + 1} tokens, n_ctx={self.n_ctx}")
-        if want_logits == "all":
+        if isinstance(want_logits, str) and want_logits == "all":
             flags = [True] * n
-        elif want_logits == "last":
+        elif isinstance(want_logits, str) and want_logits == "last":
             flags = [False] * (n - 1) + [True]
         else:
             flags = [bool(f) for f in want_logits]
@@ -118,21 +118,45 @@ class FakeBackend:
     def step(self, token: int) -> DecodeOutput:
         return self.decode([token])
 
+    def step_at(self, token: int, pos: int, seq: int) -> DecodeOutput:
+        return self.decode([token], positions=[pos], seq_ids=[[seq]])
+
+    # sequence-explicit KV operations (the engine's slots)
+    def seq_fork(self, base: int, n_branches: int) -> None:
+        for s in range(base + 1, base + n_branches):
+            self.seqs[s] = list(self.seqs.get(base, []))
+
+    def seq_commit(self, base: int, winner: int, start: int, keep_until: int,
+                   n_branches: int) -> None:
+        kept = self.seqs[winner][:keep_until]
+        for s in range(base + 1, base + n_branches):
+            self.seqs.pop(s, None)
+        self.seqs[base] = kept
+
+    def seq_abandon(self, base: int, n_branches: int, start: int) -> None:
+        for s in range(base + 1, base + n_branches):
+            self.seqs.pop(s, None)
+        self.seqs[base] = self.seqs.get(base, [])[:start]
+
+    def seq_trim(self, seq: int, start: int) -> None:
+        self.seqs[seq] = self.seqs.get(seq, [])[:start]
+
+    def seq_copy(self, src: int, dst: int, end: int) -> None:
+        self.seqs[dst] = list(self.seqs[src][:end])
+
     def fork(self, n_branches: int) -> None:
-        for s in range(1, n_branches):
-            self.seqs[s] = list(self.seqs[0])
+        self.seq_fork(0, n_branches)
 
     def abandon(self, n_branches: int) -> None:
-        self.seqs = {0: self.seqs[0][: self.n_past]}
+        self.seq_abandon(0, n_branches, self.n_past)
 
     def commit(self, branch: int, n_keep: int, n_branches=None) -> None:
-        kept = self.seqs[branch][: self.n_past + n_keep]
-        self.seqs = {0: kept}
+        self.seq_commit(0, branch, self.n_past, self.n_past + n_keep, 64)
         self.n_past += n_keep
 
     def trim(self, n: int) -> None:
         if n < self.n_past:
-            self.seqs = {0: self.seqs[0][:n]}
+            self.seqs = {s: t[:n] for s, t in self.seqs.items()}
             self.n_past = n
 
     def clear(self) -> None:

@@ -11,7 +11,8 @@ from srsd_local.llama.models import ModelError, check_gguf, resolve_model
 @pytest.mark.parametrize("bad,field", [
     (dict(mode="turbo"), "mode"), (dict(n_ctx=10), "n_ctx"), (dict(layer=1.5), "layer"),
     (dict(layer=-1), "layer"), (dict(top_k=0), "top_k"), (dict(max_nodes=600), "max_nodes"),
-    (dict(n_seq_max=300), "n_seq_max"), (dict(max_branches=40), "max_branches"),
+    (dict(n_seq_max=300), "n_seq_max"), (dict(max_branches=40, n_seq_max=32), "max_branches"),
+    (dict(max_branches=100, parallel=3), "max_branches"), (dict(parallel=-1), "parallel"),
     (dict(index_backend="x"), "index_backend"), (dict(n_ubatch=1024), "n_ubatch"),
     (dict(n_threads=True), "n_threads"),
 ])

@@ -108,7 +108,7 @@ def test_context_reuse_after_plain_mode_keeps_index_consistent():
     eng = make_engine()
     eng.generate(PROMPT, max_tokens=10, mode="ar")
     res = eng.generate(PROMPT + " the", max_tokens=30, mode="srsd")
-    assert len(eng.index) == eng.backend.n_past
+    assert len(eng.index) == eng.slots[0].n_past == len(eng.backend.seqs[0])
     assert res.token_ids == make_engine().generate(PROMPT + " the", max_tokens=30).token_ids
 
 
@@ -166,7 +166,7 @@ def test_an_error_during_verification_leaves_no_tree_in_the_cache(monkeypatch):
     with pytest.raises(RuntimeError, match="planted failure"):
         eng.generate(PROMPT, max_tokens=40, mode="srsd")
     be = eng.backend
-    assert set(be.seqs) == {0} and len(be.seqs[0]) == be.n_past  # branches and tree gone
+    assert set(be.seqs) == {0} and len(be.seqs[0]) == eng.slots[0].n_past  # no tree left
     again = eng.generate(PROMPT, max_tokens=40, mode="srsd")  # reuses the prompt's cells
     assert again.token_ids == plain.token_ids and again.stats.accepted_tokens > 0
 

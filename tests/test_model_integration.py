@@ -294,6 +294,7 @@ def test_cli_generate_prints_text_and_stats():
 def test_compiled_and_python_capture_agree_and_fallback_without_compiler(model_path,
                                                                          monkeypatch, tmp_path):
     import srsd_local.llama.capture as cap
+    from srsd_local import store
 
     cfg = SRSDConfig(n_ctx=512, n_batch=128, n_ubatch=128)
     ids = None
@@ -311,7 +312,7 @@ def test_compiled_and_python_capture_agree_and_fallback_without_compiler(model_p
     # no compiler and nothing cached: the Python callback is used, and it works
     monkeypatch.setenv("SRSD_CAPTURE", "c")
     monkeypatch.setenv("SRSD_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cap, "_compiler", lambda: None)
+    monkeypatch.setattr(store, "_compiler", lambda: None)
     assert cap.compiled_callback_library() is None
     with Backend(model_path, cfg, capture_layer=4) as be:
         assert be.capture.kind == "python"

@@ -1,26 +1,35 @@
-"""The engine: a token-only loop over one model and one context.
+"""The engine: a token-only generation loop over one model and one llama.cpp context, for one
+or several requests at a time.
 
 Contract:
-- `Engine.stream()` is the only generation loop; `generate()`, `chat()`, the CLI, the server,
-  the UI and the benchmark all consume its events. It reads like the method: prefill, then
-  propose -> verify -> walk -> commit -> emit (the numbered phases in its body).
+- `Engine._generation` is the only generation loop (one request, a coroutine); it reads like
+  the method: prefill, then emit -> propose -> verify -> walk -> commit (the numbered phases
+  in its body). `_iteration` is the scheduler step that decodes what every active request
+  needs in one forward pass. `stream()`, `generate()`, `generate_many()`, `submit()`,
+  `chat()`, the CLI, the server, the UI and the benchmark all consume its events.
+- Several requests (`parallel` slots) share each forward pass: every decoding request's tree
+  or plain step, plus at most one chunk of a prompt being prefilled, so a long prompt never
+  freezes the others; each request's controller plans against the cost of the whole batch.
 - Every mode emits the tokens plain decoding would emit: a draft only saves forward passes.
   Greedy outputs equal plain greedy outputs except where the model's top two logits are
   nearly tied (batched kernels round differently); seeded sampling draws one sample per
   emitted token from the same generator in the same order.
 - Stop strings, end-of-generation tokens and max_tokens cut exactly where plain decoding cuts
   (`emit.Emitter`).
-- A call whose prompt starts with tokens already in the context reuses them (KV cache and
-  hidden-state index are trimmed to the common prefix; only new tokens are prefilled).
+- A request whose prompt starts with tokens a slot already holds reuses them (KV cache and
+  hidden-state index are trimmed to the common prefix; only new tokens are prefilled); when
+  another slot holds a longer prefix, its KV cells and index rows are copied.
 - What to draft and whether it pays is the `Speculator`'s business (pure logic, spec/); the
   engine only runs it.
 """
 
 from __future__ import annotations
 
+import queue
 import sys
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,11 +46,12 @@ from ..spec.cost import CostModel
 from ..spec.draft import DraftInput
 from ..spec.index import VectorIndex
 from ..spec.sampling import MAX_TOP_LOGPROBS, Sampler, TokenLogprob, token_logprob
-from ..spec.speculator import SEED_TRIALS, Speculator
+from ..spec.speculator import SEED_TRIALS, Request, Speculator
 from ..spec.verify import walk_tree
-from .calibrate import CALIBRATED_FIELDS, load_calibration_file
+from .calibrate import CALIBRATED_FIELDS, calibrate_first_use, load_calibration_file
 from .emit import Emitter, check_stop
 from .profile import load_cost_model, save_cost_model
+from .slots import Slot, Work, pick
 from .stats import GenerationStats
 from .verify import VerifyReport, verify_tokens
 
@@ -66,20 +76,24 @@ class GenerationResult:
 
 
 class Engine:
-    """One model, one context, one generation at a time."""
+    """One model, one context, `parallel` requests at a time."""
 
     def __init__(self, backend: Backend, config: SRSDConfig, cost: CostModel | None = None,
                  acceptance: AcceptanceModel | None = None) -> None:
         self.backend = backend
         self.config = config
         self.speculator = Speculator(config, cost, acceptance)
-        self.index = VectorIndex(backend.n_embd, backend.n_ctx, config.index_backend)
-        self._ctx = np.zeros(backend.n_ctx + 1, dtype=np.int32)  # tokens in sequence 0
-        self._last_hidden: np.ndarray | None = None  # hidden row of position n_past-1
-        # (position, logits, hidden row) after the last prefilled prompt
-        self._prompt_end: tuple[int, np.ndarray, np.ndarray | None] | None = None
+        n_slots = config.slots
+        per_slot = backend.n_ctx // n_slots
+        self.slots = [Slot(i, i * (config.max_branches + 1), per_slot, backend.n_embd,
+                           config.index_backend) for i in range(n_slots)]
         self._acceptance_name: str | None = None  # where learned acceptance is kept
         self._profile: tuple[str, str] | None = None  # (file, key) of the cost profile
+        self._lock = threading.RLock()  # one scheduler at a time (inline or the worker)
+        self._worker: threading.Thread | None = None  # submit()'s scheduler thread
+        self._worker_lock = threading.Lock()
+        self._inbox: queue.Queue[_Job | None] = queue.Queue()
+        self._tick = 0  # requests admitted, for least-recently-used slots
         # a recurrent or hybrid model cannot roll back part of a sequence: plain steps only
         self.plain_only = not getattr(backend, "can_speculate", True)
         if self.plain_only:
@@ -88,14 +102,22 @@ class Engine:
                   file=sys.stderr)
 
     @classmethod
-    def load(cls, model: str | Path | None = None, *, learned: bool = True, **config: Any
-             ) -> Engine:
-        """Load a model (see `resolve_model`); `config` takes SRSDConfig fields. The acceptance
-        model starts from what earlier runs learned (`learned=False`: from the model's
-        calibration only, as benchmarks do for repeatable results)."""
+    def load(cls, model: str | Path | None = None, *, learned: bool = True,
+             calibrate: bool = True, **config: Any) -> Engine:
+        """Load a model (see `resolve_model`: a path, a Hugging Face REPO[:QUANT|FILE], an id
+        of `srsd-local models`, or the default); `config` takes SRSDConfig fields. The
+        acceptance model starts from what earlier runs learned (`learned=False`: from the
+        model's calibration only, as benchmarks do for repeatable results). A model without a
+        stored calibration gets a short one first (`calibrate_first_use`, progress on
+        stderr), unless `calibrate=False` or layer, top_k and draft_depth are all given."""
         cfg = config.pop("config", None) or SRSDConfig()
         path = resolve_model(model)
-        calibration = load_calibration_file(path) or {}
+        calibration = load_calibration_file(path)
+        if calibration is None and calibrate and not set(CALIBRATED_FIELDS) <= set(config):
+            calibration = calibrate_first_use(
+                lambda **kw: cls.load(path, learned=False, calibrate=False, **kw), path,
+                cfg.with_(**config))
+        calibration = calibration or {}
         calibrated = {k: calibration[k] for k in CALIBRATED_FIELDS if k in calibration}
         cfg = cfg.with_(**{k: v for k, v in calibrated.items() if k not in config}, **config)
         acceptance = AcceptanceModel()
@@ -124,7 +146,7 @@ class Engine:
         """Change retrieval / tree settings between generations (validated; the layer and
         context settings need a new Engine)."""
         fixed = {"layer", "n_ctx", "n_batch", "n_ubatch", "n_seq_max", "n_threads",
-                 "n_gpu_layers", "index_backend"} & set(changes)
+                 "n_gpu_layers", "index_backend", "parallel"} & set(changes)
         if fixed:
             raise ValueError(f"{sorted(fixed)} cannot change on a loaded engine; load a new one")
         self.config = self.config.with_(**changes)
@@ -132,7 +154,12 @@ class Engine:
 
     def close(self) -> None:
         """Free the model; what was learned (acceptance counts, the step-cost profile as
-        corrected by real steps) is kept for the next load."""
+        corrected by real steps) is kept for the next load. Submitted requests still
+        running end with an error."""
+        if self._worker is not None:
+            self._inbox.put(None)
+            self._worker.join(timeout=30)
+            self._worker = None
         spec = self.speculator
         try:
             if self._acceptance_name is not None and spec.acceptance.counts:
@@ -160,7 +187,18 @@ class Engine:
 
     @property
     def n_ctx(self) -> int:
-        return self.backend.n_ctx
+        """Context tokens each request can use."""
+        return self.slots[0].n_ctx
+
+    @property
+    def parallel(self) -> int:
+        """Requests decoded side by side."""
+        return len(self.slots)
+
+    @property
+    def index(self) -> VectorIndex:
+        """The first slot's hidden-state index (single-request use)."""
+        return self.slots[0].index
 
     @property
     def n_vocab(self) -> int:
@@ -185,53 +223,15 @@ class Engine:
         return render_chat(self.backend, messages)
 
     def reset(self) -> None:
-        """Forget the context (KV cache and index): the next call prefills from scratch."""
+        """Forget every slot's context (KV cache and index): the next call prefills from
+        scratch. Not while requests are running."""
+        if any(s.busy for s in self.slots):
+            raise RuntimeError("reset() while requests are running")
         self.backend.clear()
-        self.index.clear()
-        self._prompt_end = None
+        for slot in self.slots:
+            slot.forget()
 
-    # -- the loop ---------------------------------------------------------------------------
-    def _prepare(self, prompt_tokens: list[int]) -> tuple[np.ndarray, int]:
-        """Reuse the common prefix, prefill the rest; return (last logits row, reused).
-
-        The prompt is always prefilled with capture on, so its hidden rows are indexed
-        whatever the mode. When the context already holds the whole prompt and the logits
-        after it were kept from its prefill, nothing is decoded at all: repeated prompts
-        start from the very same numbers whatever mode asks (batched and one-token passes
-        round differently, so re-decoding the last token would not)."""
-        be = self.backend
-        n = len(prompt_tokens)
-        prompt = np.asarray(prompt_tokens, dtype=np.int32)
-        limit = min(be.n_past, n)
-        diff = np.flatnonzero(self._ctx[:limit] != prompt[:limit])
-        common = int(diff[0]) if len(diff) else limit
-        common = min(common, len(self.index))
-        if self.plain_only:  # a recurrent state cannot be cut back to a common prefix
-            common = 0
-        saved = self._prompt_end
-        if common == n and saved is not None and saved[0] == n - 1:
-            be.trim(n)
-            self.index.truncate(n)
-            self._last_hidden = saved[2]
-            return saved[1], n
-        common = min(common, n - 1)  # decode at least one token, for its logits
-        be.trim(common)
-        self.index.truncate(common)
-        if common == 0:
-            be.clear()
-            self.index.clear()
-        new = prompt_tokens[common:]
-        if be.capture is not None:
-            be.capture.enabled = True
-        out = be.decode(new, want_logits="last")
-        self._ctx[common: n] = new
-        last = out.logits[-1].copy()
-        if out.hidden is not None:
-            self.index.add(out.hidden, common)
-            self._last_hidden = out.hidden[-1].copy()
-        self._prompt_end = (n - 1, last, self._last_hidden)
-        return last, common
-
+    # -- requests ---------------------------------------------------------------------------
     def _check_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         be = self.backend
         tokens = be.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
@@ -241,26 +241,16 @@ class Engine:
         if bad:
             raise ValueError(f"token id {bad[0]} is out of range: accepted are 0.."
                              f"{be.n_vocab - 1} (the model's vocabulary)")
-        if len(tokens) >= be.n_ctx:
+        if len(tokens) >= self.n_ctx:
             raise ContextFullError(f"context is full: the prompt has {len(tokens)} tokens, "
-                                   f"n_ctx={be.n_ctx}")
+                                   f"n_ctx={self.n_ctx}")
         return tokens
 
-    def stream(self, prompt: str | Sequence[int], max_tokens: int = 256,
-               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-               min_p: float = 0.0, seed: int | None = None,
-               stop: str | Sequence[str] | None = None,
-               mode: str | None = None, logprobs: int | None = None
-               ) -> Iterator[StreamEvent]:
-        """Generate from `prompt` (text, or token ids including BOS); yields StreamEvents.
-
-        `logprobs`: None (off), or how many most likely alternatives to report with each
-        emitted token's log-probability (0..20); with speculation they come from the rows the
-        verification pass computed anyway.
-
-        1. prefill (reusing what the context already holds), sample the first token x;
-        then each step: 2. emit, 3. propose a tree rooted at x, 4. verify it in one forward
-        pass and walk it, 5. commit the accepted path (KV cache, context, index), learn."""
+    def _job(self, prompt: str | Sequence[int], max_tokens: int = 256,
+             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+             seed: int | None = None, stop: str | Sequence[str] | None = None,
+             mode: str | None = None, logprobs: int | None = None) -> _Job:
+        """A validated request (every argument error is raised here, before it runs)."""
         mode = self.config.mode if mode is None else mode
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise ValueError(f"invalid max_tokens={max_tokens!r}: accepted is an integer >= 0")
@@ -273,74 +263,397 @@ class Engine:
         req = self.speculator.begin(mode, params.greedy)
         stops = check_stop(stop)
         tokens = self._check_prompt(prompt)
+        return _Job(tokens, max_tokens, params, req, stops, logprobs)
+
+    def stream(self, prompt: str | Sequence[int], max_tokens: int = 256,
+               temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+               min_p: float = 0.0, seed: int | None = None,
+               stop: str | Sequence[str] | None = None,
+               mode: str | None = None, logprobs: int | None = None
+               ) -> Iterator[StreamEvent]:
+        """Generate from `prompt` (text, or token ids including BOS); yields StreamEvents.
+
+        `logprobs`: None (off), or how many most likely alternatives to report with each
+        emitted token's log-probability (0..20); with speculation they come from the rows the
+        verification pass computed anyway. While `submit()` serves requests from its thread,
+        this submits too (the request then shares batches with the others)."""
+        job = self._job(prompt, max_tokens, temperature, top_p, top_k, min_p, seed, stop, mode,
+                        logprobs)
+        if self._worker is not None:
+            yield from self._follow(self._enqueue(job))
+            return
+        with self._lock:
+            self._admit(job)
+            try:
+                while True:
+                    self._iteration([job])
+                    yield from job.drain()
+                    if job.error is not None:
+                        raise job.error
+                    if job.done:
+                        return
+            finally:
+                self._retire(job)
+
+    def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:
+        return collect(self.stream(prompt, **kwargs))
+
+    def verify_output(self, prompt: str | Sequence[int], tokens: Sequence[int]) -> VerifyReport:
+        """Check a greedy output of `prompt` against plain decoding at every position, with
+        the rounding noise measured in the same call (see engine/verify.py). Resets the
+        context."""
+        with self._lock:
+            return verify_tokens(self, prompt, tokens)
+
+    def generate_many(self, prompts: Sequence[str | Sequence[int]], **kwargs: Any
+                      ) -> list[GenerationResult]:
+        """Generate for every prompt (the same settings for all), up to `parallel` at a
+        time in shared batches; results in the order of `prompts`. Every output is what
+        `generate` would give alone (greedy: up to rounding noise)."""
+        jobs = [self._job(p, **kwargs) for p in prompts]
+        if self._worker is not None:
+            return [collect(self._follow(self._enqueue(j))) for j in jobs]
+        events: dict[int, list[StreamEvent]] = {id(j): [] for j in jobs}
+        waiting = list(jobs)
+        with self._lock:
+            active: list[_Job] = []
+            try:
+                while waiting or active:
+                    while waiting and len(active) < len(self.slots):
+                        active.append(self._admit(waiting.pop(0)))
+                    self._iteration(active)
+                    for j in active:
+                        events[id(j)].extend(j.drain())
+                        if j.error is not None:
+                            raise j.error
+                    for j in [j for j in active if j.done]:
+                        active.remove(j)
+                        self._retire(j)
+            finally:
+                for j in active:
+                    self._retire(j)
+        return [collect(iter(events[id(j)])) for j in jobs]
+
+    def submit(self, prompt: str | Sequence[int], **kwargs: Any) -> Iterator[StreamEvent]:
+        """Thread-safe: queue a request for the engine's scheduler thread (started on first
+        use) and return its events as an iterator. Requests submitted from several threads
+        are decoded side by side in shared batches, up to `parallel` at a time (the rest
+        wait); closing the iterator cancels the request within one step. Argument errors
+        are raised here."""
+        job = self._job(prompt, **kwargs)
+        return self._follow(self._enqueue(job))
+
+    # -- scheduling -------------------------------------------------------------------------
+    def _admit(self, job: _Job) -> _Job:
+        """Give a request a slot (the one holding the longest prefix of its prompt) and start
+        its generation coroutine."""
+        prompt = np.asarray(job.tokens, dtype=np.int32)
+        slot, donor, shared = pick(self.slots, prompt)
+        if self.plain_only:  # a recurrent state cannot be cut back or shared
+            donor, shared = None, 0
+        if donor is not None and shared > slot.common_prefix(prompt):
+            self.backend.seq_copy(donor.base, slot.base, shared)  # prefix sharing
+            slot.forget()
+            slot.index.copy_from(donor.index, shared)
+            slot.ctx[:shared] = donor.ctx[:shared]
+            slot.n_past = shared
+        slot.busy = True
+        self._tick += 1
+        slot.last_used = self._tick
+        job.slot = slot
+        job.gen = self._generation(job)
+        return job
+
+    def _retire(self, job: _Job) -> None:
+        """Free the request's slot (its context stays for reuse); a generation that did not
+        finish is closed, which removes whatever tree it had in the cache."""
+        if job.gen is not None and not job.done:
+            job.gen.close()
+            job.done = True
+        if job.slot is not None:
+            job.slot.busy = False
+
+    def _iteration(self, jobs: list[_Job]) -> None:
+        """One scheduler step: every active request processes its last rows and says what it
+        needs next (at most one of them a prompt chunk when others decode); all of that is
+        decoded in one forward pass. A request that fails gets its exception; the others
+        continue."""
+        t0 = time.perf_counter()
+        works: list[tuple[_Job, Work]] = []
+        offset, gain, chunk_taken = 0, 0.0, False
+        decoding = sum(1 for j in jobs if j.decoding and not j.done)
+        for job in jobs:
+            if job.done:
+                continue
+            if job.cancelled:
+                self._retire(job)
+                continue
+            job.batch_offset, job.batch_gain = offset, gain
+            job.may_prefill_all = decoding == 0 or (decoding == 1 and job.decoding)
+            job.may_prefill = not chunk_taken
+            try:
+                work = next(job.gen)
+            except StopIteration:
+                job.done = True
+                continue
+            except BaseException as exc:  # noqa: BLE001 - delivered to the request's caller
+                job.fail(exc)
+                continue
+            works.append((job, work))
+            offset += len(work)
+            gain += job.expected_tokens
+            chunk_taken = chunk_taken or work.prefill
+        if not works:
+            return
         be = self.backend
-        sampler = Sampler(params)
-        stats = GenerationStats(mode=mode, prompt_tokens=len(tokens), steps=1)
-        emit = Emitter(be.piece, be.is_eog, max_tokens, stops)
+        d0 = be.decode_seconds
+        try:
+            if len(works) == 1 and len(works[0][1]) == 1 and works[0][1].flags[0]:
+                w = works[0][1]  # a plain step of one request: the fast path
+                self._set_capture(w.capture)
+                out = be.step_at(int(w.tokens[0]), int(w.positions[0]), w.seq_ids[0][0])
+                w.logits, w.hidden = out.logits, out.hidden
+            else:
+                self._decode_together([w for _, w in works])
+        except BaseException as exc:  # noqa: BLE001 - every request in the pass failed
+            for job, _ in works:
+                job.fail(exc, throw=True)
+            return
+        dt = be.decode_seconds - d0
+        for _, w in works:
+            w.decode_seconds = dt
+        if self.config.adaptive and not any(w.prefill for _, w in works):
+            n = sum(len(w) for _, w in works)
+            ctx = sum(j.slot.n_past * len(w) for j, w in works) // n
+            self.speculator.observe_cost(n, time.perf_counter() - t0, ctx)
+
+    def _set_capture(self, on: bool) -> None:
+        if self.backend.capture is not None:
+            self.backend.capture.enabled = on
+
+    def _decode_together(self, works: list[Work]) -> None:
+        """One batch for several Works (split into llama_decode calls of n_batch by the
+        backend); each Work gets its own logits and hidden rows back."""
+        if len(works) == 1:
+            w = works[0]
+            tokens, positions, seq_ids, flags = w.tokens, w.positions, w.seq_ids, w.flags
+        else:
+            tokens = np.concatenate([np.asarray(w.tokens, dtype=np.int32) for w in works])
+            positions = np.concatenate([w.positions for w in works])
+            seq_ids = [ids for w in works for ids in w.seq_ids]
+            flags = np.concatenate([w.flags for w in works])
+        self._set_capture(any(w.capture or w.prefill for w in works))
+        out = self.backend.decode(tokens, positions=positions, seq_ids=seq_ids,
+                                  want_logits=flags)
+        row = tok = 0
+        for w in works:
+            k = int(np.count_nonzero(w.flags))
+            w.logits = out.logits[row: row + k]
+            w.hidden = None if out.hidden is None else out.hidden[tok: tok + len(w)]
+            row, tok = row + k, tok + len(w)
+
+    # -- worker thread (submit) -------------------------------------------------------------
+    def _enqueue(self, job: _Job) -> _Job:
+        with self._worker_lock:
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._serve, name="srsd-scheduler",
+                                                daemon=True)
+                self._worker.start()
+            job.queue = queue.Queue()
+            self._inbox.put(job)
+        return job
+
+    def _follow(self, job: _Job) -> Iterator[StreamEvent]:
+        """A submitted request's events, as the worker delivers them; closing this
+        iterator cancels the request."""
+        try:
+            while True:
+                item = job.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            job.cancelled = True
+
+    def _serve(self) -> None:
+        """The worker thread: admit queued requests into free slots, run scheduler steps,
+        deliver events. Stops when the engine closes."""
+        active: list[_Job] = []
+        waiting: list[_Job] = []
+        while True:
+            block = not active and not waiting
+            try:
+                while True:
+                    item = self._inbox.get(block=block)
+                    block = False
+                    if item is None:
+                        for j in active + waiting:
+                            j.queue.put(RuntimeError("the engine was closed"))
+                        for j in active:
+                            self._retire(j)
+                        return
+                    waiting.append(item)
+            except queue.Empty:
+                pass
+            with self._lock:
+                waiting = [j for j in waiting if not j.cancelled]
+                while waiting and len(active) < len(self.slots):
+                    active.append(self._admit(waiting.pop(0)))
+                if not active:
+                    continue
+                self._iteration(active)
+                for j in active:
+                    for ev in j.drain():
+                        j.queue.put(ev)
+                    if j.done and j.error is not None:
+                        j.queue.put(j.error)
+                for j in [j for j in active if j.done or j.cancelled]:
+                    active.remove(j)
+                    self._retire(j)
+
+    # -- the generation loop ----------------------------------------------------------------
+    def _prefill(self, job: _Job) -> Generator[Work, None, tuple[np.ndarray, int]]:
+        """Reuse the slot's common prefix, prefill the rest (in chunks while other requests
+        decode); return (last logits row, reused tokens).
+
+        The prompt is always prefilled with capture on, so its hidden rows are indexed
+        whatever the mode. When the slot already holds the whole prompt and the logits after
+        it were kept from its prefill, nothing is decoded at all: repeated prompts start
+        from the very same numbers whatever mode asks (batched and one-token passes round
+        differently, so re-decoding the last token would not)."""
+        slot, tokens = job.slot, job.tokens
+        n = len(tokens)
+        common = slot.common_prefix(np.asarray(tokens, dtype=np.int32))
+        if self.plain_only:  # a recurrent state cannot be cut back to a common prefix
+            common = 0
+        saved = slot.prompt_end
+        if common == n and saved is not None and saved[0] == n - 1:
+            self._cut(slot, n)
+            slot.last_hidden = saved[2]
+            return saved[1], n
+        common = min(common, n - 1)  # decode at least one token, for its logits
+        self._cut(slot, common)
+        pos = common
+        while True:
+            while not (job.may_prefill or job.may_prefill_all):
+                yield Work([], np.zeros(0, np.int32), [], np.zeros(0, np.int8), False, True)
+            size = n - pos if job.may_prefill_all else min(self.config.chunk, n - pos)
+            part = tokens[pos: pos + size]
+            last = pos + size == n
+            flags = np.zeros(size, dtype=np.int8)
+            flags[-1] = last
+            w = Work(part, np.arange(pos, pos + size, dtype=np.int32),
+                     [[slot.base]] * size, flags, True, prefill=True)
+            yield w
+            slot.ctx[pos: pos + size] = part
+            if w.hidden is not None:
+                slot.index.add(w.hidden, pos)
+                slot.last_hidden = w.hidden[-1].copy()
+            pos += size
+            slot.n_past = pos
+            if last:
+                logits = w.logits[-1].copy()
+                slot.prompt_end = (n - 1, logits, slot.last_hidden)
+                return logits, common
+
+    def _cut(self, slot: Slot, n: int) -> None:
+        """The slot's context (KV cells, tokens, index) cut back to its first n tokens."""
+        if n == 0:
+            self.backend.seq_trim(slot.base, 0)
+            slot.forget()
+            return
+        if n < slot.n_past:
+            self.backend.seq_trim(slot.base, n)
+        slot.n_past = min(slot.n_past, n)
+        slot.index.truncate(n)
+
+    def _generation(self, job: _Job) -> Generator[Work, None, None]:
+        """One request, as a coroutine the scheduler drives: it yields what the next forward
+        pass must decode for it and finds the rows in that Work when resumed.
+
+        1. prefill (reusing what the slot already holds), sample the first token x;
+        then each step: 2. emit, 3. propose a tree rooted at x, 4. verify it in the shared
+        forward pass and walk it, 5. commit the accepted path (KV cache, context, index),
+        learn."""
+        be, slot, req, sampler = self.backend, job.slot, job.req, job.sampler
+        stats = job.stats
+        emit = Emitter(be.piece, be.is_eog, job.max_tokens, job.stops)
+        n_lp = job.logprobs
 
         # 1. prefill
         t0 = time.perf_counter()
-        last_logits, stats.reused_prompt_tokens = self._prepare(tokens)
-        if be.capture is not None:
-            be.capture.enabled = req.uses_index
+        last_logits, stats.reused_prompt_tokens = yield from self._prefill(job)
+        job.decoding = True
         x = sampler(last_logits)
         t1 = time.perf_counter()
         stats.prompt_seconds = t1 - t0
-        if max_tokens == 0:
-            yield StreamEvent("", [], [], "length", stats, [] if logprobs is not None else None)
+        if job.max_tokens == 0:
+            job.emit(StreamEvent("", [], [], "length", stats, [] if n_lp is not None else None))
             return
         pending, drafted = [x], [False]  # x: chosen, not yet in the KV cache
         # per pending token, when asked for: its log-probability from the row it was drawn from
-        lps = None if logprobs is None else [token_logprob(last_logits, x, logprobs)]
+        lps = None if n_lp is None else [token_logprob(last_logits, x, n_lp)]
         while True:
             # 2. emit, applying EOS / stop strings / max_tokens token by token
-            out = emit.push(pending, drafted, out_of_room=be.n_past >= be.n_ctx)
+            out = emit.push(pending, drafted, out_of_room=slot.n_past >= slot.n_ctx)
             stats.tokens = emit.count
             ev_lps = None if lps is None else lps[: len(out.token_ids)]
             if out.finish_reason is not None:
                 stats.seconds = time.perf_counter() - t1
-                yield StreamEvent(out.text, out.token_ids, out.drafted, out.finish_reason, stats,
-                                  ev_lps)
+                job.emit(StreamEvent(out.text, out.token_ids, out.drafted, out.finish_reason,
+                                     stats, ev_lps))
                 return
-            yield StreamEvent(out.text, out.token_ids, out.drafted, logprobs=ev_lps)
+            job.emit(StreamEvent(out.text, out.token_ids, out.drafted, logprobs=ev_lps))
 
             # 3. propose: a tree rooted at x that pays for itself, or None (plain step)
-            n = be.n_past
-            ta, in_decode = time.perf_counter(), be.decode_seconds
-            room = 0 if self.plain_only else self.speculator.room(req, be.n_ctx - n - 2)
+            n = slot.n_past
+            ta = time.perf_counter()
+            room = 0 if self.plain_only else self.speculator.room(req, slot.n_ctx - n - 2)
             plan = self.speculator.propose(
-                req, DraftInput(self._ctx[:n], x, self._last_hidden,
-                                self.index if req.uses_index else None), room) if room else None
+                req, DraftInput(slot.ctx[:n], x, slot.last_hidden,
+                                slot.index if req.uses_index else None), room,
+                offset=job.batch_offset, gain=job.batch_gain) if room else None
+            job.expected_tokens = 1.0 if plan is None else 1.0 + plan.expected_accepted
             tb = time.perf_counter()
 
-            # 4. verify in one forward pass and walk the tree
+            # 4. verify in the shared forward pass and walk the tree
             if plan is None:
-                dec = be.step(x)
-                path, y, path_tokens = [0], sampler(dec.logits[0]), [x]
+                w = Work([x], np.array([n], np.int32), [[slot.base]], np.ones(1, np.int8),
+                         req.uses_index)
+                yield w
+                path, y, path_tokens = [0], sampler(w.logits[0]), [x]
+                be_rows = w.logits
             else:
                 lay = plan.tree.layout()
-                be.fork(lay.n_branches)
+                be.seq_fork(slot.base, lay.n_branches)
                 try:
-                    dec = be.decode(lay.tokens, positions=n + lay.depths, seq_ids=lay.seq_ids,
-                                    want_logits="all")
-                    path, y = walk_tree(plan.tree, dec.logits.__getitem__, sampler)
+                    w = Work(lay.tokens, n + lay.depths,
+                             [[slot.base + b for b in ids] for ids in lay.seq_ids],
+                             np.ones(len(lay.tokens), np.int8), req.uses_index)
+                    yield w
+                    path, y = walk_tree(plan.tree, w.logits.__getitem__, sampler)
                 except BaseException:  # nothing of the tree may stay in the cache
-                    be.abandon(lay.n_branches)
+                    be.seq_abandon(slot.base, lay.n_branches, n)
                     raise
-                be.commit(lay.seq_ids[path[-1]][0], len(path), lay.n_branches)
+                be.seq_commit(slot.base, slot.base + lay.seq_ids[path[-1]][0], n,
+                              n + len(path), lay.n_branches)
                 path_tokens = [plan.tree.tokens[i] for i in path]
+                be_rows = w.logits
             tc = time.perf_counter()
 
             # 5. commit: context tokens and hidden-state index; learn from the outcome
-            self._ctx[n: n + len(path)] = path_tokens
-            if req.uses_index and dec.hidden is not None:
-                rows = dec.hidden[path]
-                self.index.add(rows, n)
-                self._last_hidden = rows[-1].copy()
-            self.speculator.observe(req, plan, path, time.perf_counter() - ta, n)
+            slot.n_past = n + len(path)
+            slot.ctx[n: n + len(path)] = path_tokens
+            if req.uses_index and w.hidden is not None:
+                rows = w.hidden[path]
+                slot.index.add(rows, n)
+                slot.last_hidden = rows[-1].copy()
+            self.speculator.observe(req, plan, path)
             td = time.perf_counter()
             times = dict(draft=tb - ta, verify=tc - tb, index=td - tc,
-                         host=(td - ta) - (be.decode_seconds - in_decode))
+                         host=(td - ta) - w.decode_seconds)
             if plan is None:
                 stats.observe_step(1, 0, **times)
             else:  # the forecast (if the controller made one) covers the drafted nodes
@@ -350,19 +663,10 @@ class Engine:
                                    forecast_depths=t.depths[1:len(plan.probs)], **times)
             pending = path_tokens[1:] + [y]
             drafted = [True] * (len(path) - 1) + [False]
-            if logprobs is not None:  # pending[i] was drawn from the row of node path[i]
-                lps = [token_logprob(dec.logits[node], tok, logprobs)
+            if n_lp is not None:  # pending[i] was drawn from the row of node path[i]
+                lps = [token_logprob(be_rows[node], tok, n_lp)
                        for node, tok in zip(path, pending)]
             x = y
-
-    def verify_output(self, prompt: str | Sequence[int], tokens: Sequence[int]) -> VerifyReport:
-        """Check a greedy output of `prompt` against plain decoding at every position, with
-        the rounding noise measured in the same call (see engine/verify.py). Resets the
-        context."""
-        return verify_tokens(self, prompt, tokens)
-
-    def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:
-        return collect(self.stream(prompt, **kwargs))
 
     def chat_stream(self, messages: Sequence[dict[str, Any]], **kwargs: Any
                     ) -> Iterator[StreamEvent]:
@@ -370,6 +674,48 @@ class Engine:
 
     def chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> GenerationResult:
         return collect(self.chat_stream(messages, **kwargs))
+
+
+class _Job:
+    """One request: its validated settings, its generation coroutine and slot, and the
+    events it produced that the caller has not taken yet."""
+
+    def __init__(self, tokens: list[int], max_tokens: int, params: SamplingParams,
+                 req: Request, stops: list[str], logprobs: int | None) -> None:
+        self.tokens, self.max_tokens, self.params = tokens, max_tokens, params
+        self.req, self.stops, self.logprobs = req, stops, logprobs
+        self.sampler = Sampler(params)
+        self.stats = GenerationStats(mode=req.mode, prompt_tokens=len(tokens), steps=1)
+        self.slot: Slot | None = None
+        self.gen: Generator[Work, None, None] | None = None
+        self.events: list[StreamEvent] = []
+        self.error: BaseException | None = None
+        self.done = self.cancelled = self.decoding = False
+        self.queue: queue.Queue | None = None  # submit(): where the worker puts events
+        # set by the scheduler before each resume
+        self.batch_offset, self.batch_gain = 0, 0.0
+        self.may_prefill = self.may_prefill_all = True
+        self.expected_tokens = 1.0  # what this request's Work is expected to emit
+
+    def emit(self, event: StreamEvent) -> None:
+        self.events.append(event)
+
+    def drain(self) -> list[StreamEvent]:
+        """Events produced since the last call (a failed request's `error` comes after
+        them)."""
+        out, self.events = self.events, []
+        return out
+
+    def fail(self, exc: BaseException, throw: bool = False) -> None:
+        """The request ends with `exc`; with `throw`, inside its coroutine first (so it can
+        undo a tree it had forked)."""
+        if throw and self.gen is not None:
+            try:
+                self.gen.throw(exc)
+            except BaseException:  # noqa: BLE001 - it re-raises: that is the point
+                pass
+        self.error = exc
+        self.done = True
 
 
 def collect(events: Iterator[StreamEvent]) -> GenerationResult:

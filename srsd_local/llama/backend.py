@@ -130,10 +130,10 @@ class Backend:
                 self.capture = make_capture(self.layer, max(config.n_batch, config.n_ubatch),
                                             self.n_embd)
             cparams = L.llama_context_default_params()
-            cparams.n_ctx = config.n_ctx
+            cparams.n_ctx = config.n_ctx * config.slots  # every slot gets n_ctx cells
             cparams.n_batch = config.n_batch
             cparams.n_ubatch = config.n_ubatch
-            cparams.n_seq_max = config.n_seq_max
+            cparams.n_seq_max = config.seq_max
             cparams.n_threads = cparams.n_threads_batch = config.threads
             cparams.kv_unified = True
             cparams.swa_full = True
@@ -144,17 +144,18 @@ class Backend:
             self.ctx = L.llama_init_from_model(self.model, cparams)
             if not self.ctx:
                 raise ValueError(f"llama.cpp could not create a context with n_ctx={config.n_ctx}"
-                                 f", n_batch={config.n_batch}, n_seq_max={config.n_seq_max}")
+                                 f" x {config.slots} slots, n_batch={config.n_batch}, "
+                                 f"n_seq_max={config.seq_max}")
             self.n_ctx = L.llama_n_ctx(self.ctx)
             self.n_batch = L.llama_n_batch(self.ctx)  # llama.cpp clamps it to n_ctx
             self.mem = L.llama_get_memory(self.ctx)
-            self._batch = L.llama_batch_init(self.n_batch, 0, config.n_seq_max)
+            self._batch = L.llama_batch_init(self.n_batch, 0, config.seq_max)
             cap = self.n_batch
             self._b_tok = np.ctypeslib.as_array(self._batch.token, shape=(cap,))
             self._b_pos = np.ctypeslib.as_array(self._batch.pos, shape=(cap,))
             self._b_nseq = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(cap,))
             self._b_logits = np.ctypeslib.as_array(self._batch.logits, shape=(cap,))
-            self._b_seq = [np.ctypeslib.as_array(self._batch.seq_id[i], shape=(config.n_seq_max,))
+            self._b_seq = [np.ctypeslib.as_array(self._batch.seq_id[i], shape=(config.seq_max,))
                            for i in range(cap)]
             self._piece_cache: dict[int, bytes] = {}
             self._eog: dict[int, bool] = {}
@@ -304,20 +305,24 @@ class Backend:
     def step(self, token: int) -> DecodeOutput:
         """Decode one token of sequence 0 at n_past with its logits: the plain step, without
         the general path's allocations."""
-        if self.n_past >= self.n_ctx:
-            raise ContextFullError(f"context is full: {self.n_past + 1} tokens, "
-                                   f"n_ctx={self.n_ctx}")
+        out = self.step_at(token, self.n_past, 0)
+        self.n_past += 1
+        return out
+
+    def step_at(self, token: int, pos: int, seq: int) -> DecodeOutput:
+        """Decode one token of sequence `seq` at position `pos` with its logits."""
+        if pos >= self.n_ctx:
+            raise ContextFullError(f"context is full: {pos + 1} tokens, n_ctx={self.n_ctx}")
         b = self._batch
         b.n_tokens = 1
         self._b_tok[0] = token
-        self._b_pos[0] = self.n_past
+        self._b_pos[0] = pos
         self._b_logits[0] = 1
         self._b_nseq[0] = 1
-        self._b_seq[0][0] = 0
+        self._b_seq[0][0] = seq
         if self.capture is not None:
             self.capture.reset()
         self._decode_batch(1)
-        self.n_past += 1
         return DecodeOutput(self._logits(1), None if self.capture is None
                             else self.capture.rows())
 
@@ -399,39 +404,66 @@ class Backend:
         return short, per_kv, ctx0
 
     # -- KV cache -------------------------------------------------------------------------
-    def fork(self, n_branches: int) -> None:
-        """Copy sequence 0 into ids 1..n_branches-1 (branch 0 is sequence 0 itself)."""
-        if n_branches > self.config.n_seq_max:
-            raise ValueError(f"{n_branches} branches > n_seq_max={self.config.n_seq_max}")
-        for s in range(1, n_branches):
-            self._L.llama_memory_seq_cp(self.mem, 0, s, -1, -1)
+    # Sequence-explicit operations (the engine's slots: each owns a main sequence id `base`
+    # and the branch ids base+1..base+B-1 of its trees); the methods without `seq_` work on
+    # sequence 0 and `n_past` (single-sequence use: profiling, verification, tests).
+    def seq_fork(self, base: int, n_branches: int) -> None:
+        """Copy sequence `base` into base+1..base+n_branches-1 (branch 0 is `base` itself)."""
+        if n_branches > self.config.max_branches + 1:
+            raise ValueError(f"{n_branches} branches > max_branches + 1 "
+                             f"({self.config.max_branches + 1})")
+        for s in range(base + 1, base + n_branches):
+            self._L.llama_memory_seq_cp(self.mem, base, s, -1, -1)
 
-    def commit(self, branch: int, n_keep: int, n_branches: int | None = None) -> None:
-        """Keep `n_keep` tree tokens of `branch` (from position n_past) in sequence 0 and
-        drop everything else the tree pass wrote."""
+    def seq_commit(self, base: int, winner: int, start: int, keep_until: int,
+                   n_branches: int) -> None:
+        """After a tree pass from position `start`: keep the cells of sequence `winner` (one
+        of base..base+n_branches-1) up to `keep_until` as sequence `base`, drop the rest the
+        pass wrote. Other sequences (other slots) are untouched."""
         L, mem = self._L, self.mem
-        if n_branches is None or n_branches > 1:
-            L.llama_memory_seq_keep(mem, branch)
-            if branch != 0:
-                L.llama_memory_seq_cp(mem, branch, 0, -1, -1)
-                L.llama_memory_seq_keep(mem, 0)
-        self.n_past += n_keep
-        self._seq_rm(0, self.n_past)
-
-    def abandon(self, n_branches: int) -> None:
-        """Undo a tree pass that will not be committed (an error between `fork` and
-        `commit`): the branch sequences and the tree's cells in sequence 0 are removed, so
-        the cache holds the committed context only."""
-        L, mem = self._L, self.mem
-        for s in range(1, n_branches):
+        if winner != base:
+            self._seq_rm(base, start)
+            L.llama_memory_seq_cp(mem, winner, base, start, -1)
+        for s in range(base + 1, base + n_branches):
             L.llama_memory_seq_rm(mem, s, -1, -1)
-        self._seq_rm(0, self.n_past)
+        self._seq_rm(base, keep_until)
+
+    def seq_abandon(self, base: int, n_branches: int, start: int) -> None:
+        """Undo a tree pass from position `start` that will not be committed (an error
+        between fork and commit): branch sequences and the tree's cells in `base` go."""
+        for s in range(base + 1, base + n_branches):
+            self._L.llama_memory_seq_rm(self.mem, s, -1, -1)
+        self._seq_rm(base, start)
+
+    def seq_trim(self, seq: int, start: int) -> None:
+        """Drop positions >= start of sequence `seq` (all of it for start 0)."""
+        self._seq_rm(seq, start)
+
+    def seq_copy(self, src: int, dst: int, end: int) -> None:
+        """Sequence `dst` becomes positions [0, end) of sequence `src` (shared cells)."""
+        self._L.llama_memory_seq_rm(self.mem, dst, -1, -1)
+        self._L.llama_memory_seq_cp(self.mem, src, dst, 0, end)
 
     def _seq_rm(self, seq: int, start: int) -> None:
         if not self._L.llama_memory_seq_rm(self.mem, seq, start, -1):
             raise DecodeError(f"llama.cpp could not remove positions {start}.. of sequence "
                               f"{seq} (this model's memory cannot roll back part of a "
                               "sequence)")
+
+    def fork(self, n_branches: int) -> None:
+        """Copy sequence 0 into ids 1..n_branches-1 (branch 0 is sequence 0 itself)."""
+        self.seq_fork(0, n_branches)
+
+    def commit(self, branch: int, n_keep: int, n_branches: int | None = None) -> None:
+        """Keep `n_keep` tree tokens of `branch` (from position n_past) in sequence 0 and
+        drop everything else the tree pass wrote."""
+        nb = n_branches if n_branches is not None else self.config.max_branches + 1
+        self.seq_commit(0, branch, self.n_past, self.n_past + n_keep, nb)
+        self.n_past += n_keep
+
+    def abandon(self, n_branches: int) -> None:
+        """`seq_abandon` for sequence 0 at n_past."""
+        self.seq_abandon(0, n_branches, self.n_past)
 
     def trim(self, n: int) -> None:
         """Drop everything from position n on."""

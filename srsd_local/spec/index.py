@@ -183,6 +183,28 @@ class VectorIndex:
         self.truncate(0)
         self.center = None
 
+    def copy_from(self, other: VectorIndex, n: int) -> None:
+        """Become the first `n` rows of `other` (positions < n), stored rows and centre
+        included: another request's context shares that prefix."""
+        if other.dim != self.dim:
+            raise ValueError(f"index dims differ: {other.dim} vs {self.dim}")
+        other_keep = int(np.count_nonzero(other._pos[: other._n] < n))
+        self.clear()
+        self.center = None if other.center is None else other.center.copy()
+        if other_keep == 0:
+            return
+        if other._buf is not None:
+            rows = other._buf[:other_keep].astype(np.float32)
+        else:
+            rows = other._faiss_index.reconstruct_n(0, other_keep)
+        self._grow(other_keep)
+        self._pos[:other_keep] = other._pos[:other_keep]
+        if self._buf is not None:
+            self._buf[:other_keep] = rows
+        else:
+            self._faiss_index.add(np.ascontiguousarray(rows, dtype=np.float32))
+        self._n = other_keep
+
     def memory_bytes(self, n: int | None = None) -> int:
         """Bytes held for `n` vectors (default: the capacity): fp16 vectors + int64 positions."""
         n = self.capacity if n is None else n

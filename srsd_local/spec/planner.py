@@ -60,7 +60,7 @@ def _path_probs(tree: TokenTree, q: Sequence[float], depth_scale: Sequence[float
 def choose(tree: TokenTree, q: Sequence[float], cost: np.ndarray, max_branches: int,
            q_report: Sequence[float] | None = None,
            depth_scale: Sequence[float] | None = None,
-           ev: Sequence[NodeEvidence | None] | None = None) -> Plan:
+           ev: Sequence[NodeEvidence | None] | None = None, gain: float = 0.0) -> Plan:
     """Best sub-tree by expected tokens per second.
 
     q[i] is node i's conditional acceptance; p[i] = p[parent] * q[i]. The best sub-tree of k
@@ -97,7 +97,7 @@ def choose(tree: TokenTree, q: Sequence[float], cost: np.ndarray, max_branches: 
         has_child.add(parent)
         taken.add(node)
         kept.append(node)
-    best_k, best_rate, cum = 0, 1.0 / cost[1], 0.0
+    best_k, best_rate, cum = 0, (gain + 1.0) / cost[1], gain
     for k, node in enumerate(kept, 1):
         cum += p[node]
         rate = (1.0 + cum) / cost[k + 1]

@@ -86,8 +86,11 @@ class Speculator:
         drafter = self.drafters[req.mode]
         return 0 if drafter is None else max(0, min(drafter.config.max_nodes, free))
 
-    def propose(self, req: Request, inp: DraftInput, room: int) -> Plan | None:
-        """The tree to verify this step (rooted at inp.root), or None for a plain step."""
+    def propose(self, req: Request, inp: DraftInput, room: int, offset: int = 0,
+                gain: float = 0.0) -> Plan | None:
+        """The tree to verify this step (rooted at inp.root), or None for a plain step.
+        `offset` tokens of other requests share the forward pass, expected to emit `gain`
+        tokens: the tree is chosen for the whole batch's tokens per second."""
         drafter = self.drafters[req.mode]
         if drafter is None or room <= 0:
             return None
@@ -99,12 +102,13 @@ class Speculator:
             return None
         if not drafter.config.adaptive:
             return unplanned(tree, req.recent)
-        plan = self._plan(tree, req, room, inp.tokens.shape[0])
+        plan = self._plan(tree, req, room, inp.tokens.shape[0], offset, gain)
         req.declined = 0 if plan.tree.n_draft else req.declined + 1
         req.skip = min(2 ** req.declined // 2, MAX_SKIP)
         return plan if plan.tree.n_draft else None
 
-    def _plan(self, tree: TokenTree, req: Request, room: int, ctx: int) -> Plan:
+    def _plan(self, tree: TokenTree, req: Request, room: int, ctx: int, offset: int = 0,
+              gain: float = 0.0) -> Plan:
         ev = evidence(tree, req.recent)
         acc = self.acceptance
         both = [acc.q_both(e, req.mode, req.greedy) for e in ev[1:]]
@@ -118,18 +122,15 @@ class Speculator:
                    and self.cost.can_explore(n_max))
         if explore:  # an unconfirmed cost estimate must not rule big trees out for good
             self._explored_at = self.cost.steps
-        cost = self.cost.table(n_max, ctx, explore=explore)
+        cost = self.cost.table(n_max + offset, ctx, explore=explore)[offset:]
         dc = self.depth_calibration.setdefault((req.mode, req.greedy), DepthCalibration())
-        return choose(tree, q, cost, self.config.max_branches, q_mean, dc.scale(), ev)
+        return choose(tree, q, cost, self.config.max_branches, q_mean, dc.scale(), ev, gain)
 
-    def observe(self, req: Request, plan: Plan | None, path: list[int], seconds: float,
-                ctx: int) -> None:
+    def observe(self, req: Request, plan: Plan | None, path: list[int]) -> None:
         """Learn from one step: `plan` was verified (None: a plain step), `path` are the
-        accepted node indices from the root, the step took `seconds` at context length
-        `ctx`."""
+        accepted node indices from the root. (The step's cost: `observe_cost`.)"""
         if plan is None:
             req.recent += RECENT_DRIFT * (0.5 - req.recent)
-            n = 1
         else:
             tree = plan.tree
             if plan.probs:
@@ -137,7 +138,10 @@ class Speculator:
                     plan.raw_probs[1:], tree.depths[1:], len(path) - 1)
             self._learn(tree, plan.evidence, path, req)
             req.recent += RECENT_RATE * (float(len(path) > 1) - req.recent)
-            n = len(tree)
+
+    def observe_cost(self, n: int, seconds: float, ctx: int) -> None:
+        """A forward pass of n tokens (all requests' together) took `seconds` at context
+        length `ctx`."""
         if self.config.adaptive:
             self.cost.observe(n, seconds, ctx)
 
