@@ -210,3 +210,101 @@ def test_logprobs_come_with_every_token_and_equal_plain_ones(mode):
 def test_bad_logprobs_are_refused(bad):
     with pytest.raises(ValueError, match="logprobs"):
         make_engine().generate(PROMPT, max_tokens=3, logprobs=bad)
+
+
+# -- several requests at once ------------------------------------------------------------------
+MANY = [
+    {"prompt": PROMPT, "mode": "srsd", "max_tokens": 40},
+    {"prompt": "abc abd abe abc abd", "mode": "ar", "max_tokens": 25},
+    {"prompt": "the lazy dog and the lazy cat and the", "mode": "pld", "max_tokens": 30,
+     "stop": ["cat"]},
+    {"prompt": PROMPT + " again", "mode": "ngram", "max_tokens": 35, "temperature": 1.0,
+     "seed": 3},
+    {"prompt": "xyz xyz xyz", "mode": "hybrid", "max_tokens": 20},
+]
+
+
+def test_generate_many_equals_each_request_alone_and_shares_passes():
+    alone = [make_engine().generate(**r) for r in MANY]
+    eng = make_engine(parallel=3)
+    be = eng.backend
+    calls = []
+    real = be.decode
+
+    def spy(tokens, positions=None, seq_ids=None, want_logits="last"):
+        calls.append({s[0] // (eng.config.max_branches + 1) for s in seq_ids or [[0]]})
+        return real(tokens, positions, seq_ids, want_logits)
+
+    be.decode = spy
+    many = eng.generate_many(MANY)
+    for a, m, r in zip(alone, many, MANY):
+        assert m.token_ids == a.token_ids, r
+        assert (m.text, m.finish_reason) == (a.text, a.finish_reason)
+    assert max(len(c) for c in calls) == 3  # three slots' work in one forward pass
+    assert not any(s.busy for s in eng.slots)
+    # slots keep their contexts: a repeated prompt reuses one
+    again = eng.generate(**MANY[1])
+    assert again.token_ids == alone[1].token_ids and again.stats.reused_prompt_tokens > 0
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode():
+    eng = make_engine(parallel=2, prefill_chunk=16)
+    be = eng.backend
+    sizes = []
+    real = be.decode
+
+    def spy(tokens, positions=None, seq_ids=None, want_logits="last"):
+        sizes.append(len(tokens))
+        return real(tokens, positions, seq_ids, want_logits)
+
+    be.decode = spy
+    long_prompt = "the quick brown fox " * 10  # 200 tokens
+    try:
+        first = eng.submit(prompt="abc abd", max_tokens=80, mode="ar")
+        got = list(next(first).token_ids)  # decoding now
+        late = eng.submit(prompt=long_prompt, max_tokens=5, mode="ar")
+        late_ids = [t for ev in late for t in ev.token_ids]
+        got += [t for ev in first for t in ev.token_ids]
+    finally:
+        eng.close()
+    assert got == make_engine().generate("abc abd", max_tokens=80, mode="ar").token_ids
+    assert late_ids == make_engine().generate(long_prompt, max_tokens=5, mode="ar").token_ids
+    # the long prompt went in chunks of 16 tokens, each next to the other's plain step
+    assert sizes.count(16 + 1) >= 10 and max(sizes[1:]) == 16 + 1
+
+
+def test_submitted_requests_run_side_by_side_and_cancel_cleanly():
+    import threading
+
+    eng = make_engine(parallel=2)
+    try:
+        results: dict[int, list[int]] = {}
+
+        def run(i: int) -> None:
+            ids = []
+            for ev in eng.submit(**MANY[i]):
+                ids += ev.token_ids
+            results[i] = ids
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        # a request abandoned after its first event frees its slot
+        it = eng.submit(prompt=PROMPT, max_tokens=200, mode="srsd")
+        first = next(it)
+        it.close()
+        for t in threads:
+            t.join(timeout=30)
+        for i in range(3):
+            assert results[i] == make_engine().generate(**MANY[i]).token_ids
+        assert first.token_ids
+        late = eng.submit(prompt="abc abd", max_tokens=10, mode="ar")
+        assert sum(len(ev.token_ids) for ev in late) == 10
+        deadline = __import__("time").time() + 5
+        while any(s.busy for s in eng.slots) and __import__("time").time() < deadline:
+            __import__("time").sleep(0.01)
+        assert not any(s.busy for s in eng.slots)
+        with pytest.raises(ValueError, match="max_tokens"):
+            eng.submit(prompt="x", max_tokens=-1)
+    finally:
+        eng.close()

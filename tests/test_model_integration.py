@@ -63,6 +63,15 @@ def test_decode_splits_batches_larger_than_n_batch(backend):
     out = backend.decode(ids, want_logits="last")
     assert out.hidden.shape == (len(ids), backend.n_embd) and out.logits.shape[0] == 1
     assert backend.n_past == len(ids)
+    # logits wanted in both llama_decode calls: the first call's rows survive the second
+    backend.clear()
+    flags = [0] * len(ids)
+    flags[10] = flags[-1] = 1
+    both = backend.decode(ids, want_logits=flags).logits
+    backend.clear()
+    alone = backend.decode(ids[:11], want_logits="last").logits[-1]
+    assert int(np.argmax(both[0])) == int(np.argmax(alone))
+    assert float(np.abs(both[0] - alone).max()) < 1.0
     backend.clear()
 
 

@@ -305,12 +305,14 @@ class Engine:
         with self._lock:
             return verify_tokens(self, prompt, tokens)
 
-    def generate_many(self, prompts: Sequence[str | Sequence[int]], **kwargs: Any
-                      ) -> list[GenerationResult]:
-        """Generate for every prompt (the same settings for all), up to `parallel` at a
-        time in shared batches; results in the order of `prompts`. Every output is what
-        `generate` would give alone (greedy: up to rounding noise)."""
-        jobs = [self._job(p, **kwargs) for p in prompts]
+    def generate_many(self, prompts: Sequence[str | Sequence[int] | dict[str, Any]],
+                      **kwargs: Any) -> list[GenerationResult]:
+        """Generate for every prompt, up to `parallel` at a time in shared batches; results
+        in the order of `prompts`. An item may be a dict {"prompt": ..., **settings} whose
+        settings override `kwargs` for that request (mode, max_tokens, stop, seed, ...).
+        Every output is what `generate` would give alone (greedy: up to rounding noise)."""
+        jobs = [self._job(**{**kwargs, **p}) if isinstance(p, dict) else self._job(p, **kwargs)
+                for p in prompts]
         if self._worker is not None:
             return [collect(self._follow(self._enqueue(j))) for j in jobs]
         events: dict[int, list[StreamEvent]] = {id(j): [] for j in jobs}

@@ -288,8 +288,9 @@ class Backend:
                 self.capture.reset()
             self._decode_batch(e - s)
             n_out = int(flags[s:e].sum())
-            if n_out:
-                logits_parts.append(self._logits(n_out))
+            if n_out:  # a view of llama.cpp's buffer: the next call overwrites it
+                view = self._logits(n_out)
+                logits_parts.append(view if e == n else view.copy())
             if self.capture is not None:
                 hidden_parts.append(self.capture.rows())
         if seq_ids is None:  # a plain decode of sequence 0; tree passes end with commit()
