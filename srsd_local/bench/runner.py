@@ -15,6 +15,7 @@ import platform
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +140,54 @@ def _peer_info(peers: Mapping[str, Peer]) -> dict[str, Any]:
         out[mode] = {"command": display_command(cmd) if cmd else None,
                      "binary": cmd[0] if cmd else None}
     return out
+
+
+def parse_levels(text: str) -> list[int]:
+    """`--concurrency 1,2,4,8`: client counts, each >= 1."""
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        levels = []
+    if not levels or any(n < 1 for n in levels):
+        raise ValueError(f"--concurrency {text!r}: accepted are comma-separated client counts "
+                         ">= 1, e.g. 1,2,4,8")
+    return sorted(set(levels))
+
+
+def main_concurrency(args: Any, engine_factory: Callable[[], Any], levels: list[int]) -> int:
+    """`srsd-local bench --concurrency ...`: clients at once (bench/concurrency.py)."""
+    from .concurrency import concurrency_table, run_concurrency  # noqa: PLC0415
+
+    prompts = first_per_category(load_workload(args.workload), args.max_prompts)
+    modes = [m for m in parse_modes(args.modes) if m != "ar" or "ar" in args.modes]
+    engine = engine_factory()
+    peers: dict[str, Peer] = {}
+    try:
+        modes, peers = start_peers([m for m in modes if m != "lcp-pld"],
+                                   PeerSettings.of(engine), getattr(args, "llama_server", None))
+        data = run_concurrency(engine, prompts, levels, modes, peers)
+        data["machine"] = machine_info(engine)
+        data["peers"] = _peer_info({m: p for m, p in peers.items() if m in SERVER_MODES})
+    finally:
+        close_peers(peers)
+        engine.close()
+    command = "srsd-local " + " ".join(sys.argv[1:])
+    data.update(workload=args.workload, command=command)
+    text = concurrency_table(data)
+    print(text)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(data, indent=1), encoding="utf-8")
+    if args.doc:
+        m = data["machine"]
+        head = [f"## {args.label}: concurrency, {args.workload}", "",
+                f"- date: {date.today().isoformat()}",
+                f"- machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads; GPU "
+                f"offload: {m['gpu_offload']} (n_gpu_layers {m['n_gpu_layers']})",
+                f"- model: {m['model']} ({m['model_file']})", f"- command: `{command}`"]
+        head += [f"- {mode}: `{info['command']}`" for mode, info in data["peers"].items()]
+        write_doc(args.doc, args.label, "\n".join(head) + "\n\n" + text)
+    return 0
 
 
 def main_bench(args: Any, engine_factory: Callable[[], Any]) -> int:

@@ -4,17 +4,26 @@
 gets the same verification budget) on a workload and measures accepted tokens per verified
 tree for each candidate layer, then top-k and draft depth at the best layer. The winner is
 stored per model file; `Engine.load` uses it unless those settings are given explicitly.
+
+A model loaded for the first time (no stored calibration, and not the default model, which
+ships one) gets a short calibration first (`calibrate_first_use`: two prompts of the built-in
+`calibration` workload, 48 tokens, three candidate layers; about 30 s on 2 CPU cores for the
+default model's size; progress on stderr); `srsd-local calibrate` measures more.
 """
 
 from __future__ import annotations
 
 import json
+import sys
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from .. import store
+from ..llama.gguf import GGUFError, read_header
 
 CALIBRATED_FIELDS = ("layer", "top_k", "draft_depth")
 
@@ -65,12 +74,16 @@ def _score(engine, prompts, max_tokens: int) -> float:
 def calibrate(load: Callable[..., Any], model_path: str, prompts: Sequence,
               layers: Sequence[int] | None = None, top_ks: Sequence[int] = (5, 10, 20),
               depths: Sequence[int] = (8, 16), max_tokens: int = 64,
-              progress: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
-    """Measure, pick and return the best settings (ties: the earlier candidate wins)."""
+              progress: Callable[[str], None] = lambda s: None,
+              n_layer: int | None = None, extra: dict[str, Any] | None = None
+              ) -> dict[str, Any]:
+    """Measure, pick and return the best settings (ties: the earlier candidate wins).
+    `n_layer` (known already) saves a probe load; `extra` is stored with the result."""
     fixed = dict(adaptive=False, max_nodes=16, max_branches=4)
     scores: dict[str, dict[str, float]] = {"layer": {}, "top_k": {}, "draft_depth": {}}
-    with load(layer=0.25, **fixed) as probe:
-        n_layer = probe.n_layer
+    if n_layer is None:
+        with load(layer=0.25, **fixed) as probe:
+            n_layer = probe.n_layer
     layers = list(layers) if layers else candidate_layers(n_layer)
     for layer in layers:
         with load(layer=layer, top_k=10, draft_depth=16, **fixed) as eng:
@@ -94,7 +107,8 @@ def calibrate(load: Callable[..., Any], model_path: str, prompts: Sequence,
         acceptance = seed_acceptance(eng, prompts, max_tokens, progress)
     result = {"layer": best_layer, "top_k": best_k, "draft_depth": best_d,
               "n_layer": n_layer, "scores": scores, "model": Path(model_path).name,
-              "model_size": Path(model_path).stat().st_size, "acceptance": acceptance}
+              "model_size": Path(model_path).stat().st_size, "acceptance": acceptance,
+              **(extra or {})}
     return _store(model_path, result)
 
 
@@ -122,7 +136,7 @@ def reseed(load: Callable[..., Any], model_path: str, prompts: Sequence, max_tok
     """Keep this model's calibrated layer / top-k / depth, measure only the acceptance seeds
     (after the draft sources changed: much faster than a full calibration)."""
     base = load_calibration_file(model_path)
-    if not base:
+    if not base or not all(k in base for k in CALIBRATED_FIELDS):
         raise ValueError(f"no calibration for {model_path} to reseed: run srsd-local "
                          "calibrate without --seeds-only first")
     with load(**{k: base[k] for k in CALIBRATED_FIELDS}, adaptive=False, max_nodes=16,
@@ -134,3 +148,104 @@ def reseed(load: Callable[..., Any], model_path: str, prompts: Sequence, max_tok
 def _store(model_path: str, result: dict[str, Any]) -> dict[str, Any]:
     path = store.write_json("calibration", f"{store.file_key(model_path)}.json", result)
     return {**result, "path": str(path)}
+
+
+# -- calibration on first use -------------------------------------------------------------
+# A short run: about 30 s on 2 CPU cores for the default model's size (Gemma 3 270M); with
+# these settings it picks the layer the full calibration picked for that model.
+# The first greedy prompt of each of these categories of the calibration workload: one that
+# copies a lot and one that copies little (on copy-heavy prompts alone every layer's drafts
+# get accepted, which tells the layers apart poorly).
+FIRST_USE_CATEGORIES = ("code_edit", "humaneval")
+FIRST_USE_TOKENS = 48
+FIRST_USE_LAYERS = (0.2, 0.3, 0.45)  # depth fractions
+FIRST_USE_TOP_KS = (5, 10)
+FIRST_USE_DEPTHS = (16,)
+FIRST_USE_N_CTX = 2048  # the calibration prompts are < 1k tokens
+# the built-in calibration workload (data of the benchmark package, read as a file: the
+# engine layer does not import the benchmark)
+_WORKLOAD = ("bench", "workloads", "calibration.jsonl")
+
+
+@dataclass(frozen=True)
+class CalibrationPrompt:
+    id: str
+    category: str
+    prompt: str
+    max_tokens: int
+    temperature: float = 0.0
+    seed: int | None = None
+
+
+def first_use_prompts(categories: Sequence[str] = FIRST_USE_CATEGORIES
+                      ) -> list[CalibrationPrompt]:
+    """The first greedy prompt of each of `categories` in the calibration workload."""
+    text = resources.files("srsd_local").joinpath(*_WORKLOAD).read_text(encoding="utf-8")
+    found: dict[str, CalibrationPrompt] = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        o = json.loads(line)
+        if o.get("temperature", 0.0) or o["category"] not in categories or \
+                o["category"] in found:
+            continue
+        found[o["category"]] = CalibrationPrompt(o["id"], o["category"], o["prompt"],
+                                                 int(o["max_tokens"]))
+    return [found[c] for c in categories if c in found]
+
+
+def quick_layers(n_layer: int) -> list[int]:
+    """Candidate capture layers of a first-use calibration."""
+    return sorted({max(0, min(max(int(round(f * n_layer)), 1), n_layer - 2))
+                   for f in FIRST_USE_LAYERS})
+
+
+def _say(s: str) -> None:
+    print(s, file=sys.stderr, flush=True)
+
+
+def calibrate_first_use(load: Callable[..., Any], model_path: str | Path, config: Any,
+                        progress: Callable[[str], None] = _say) -> dict[str, Any] | None:
+    """Calibrate a model that has no stored calibration, briefly, and store the result.
+
+    `load(**settings)` loads an Engine of the model (no calibration, nothing learned);
+    `config` is the SRSDConfig the caller asked for (its threads, GPU layers and index
+    backend are used). A model whose header cannot be read is left to the real load (which
+    says what is wrong); a model that cannot speculate (recurrent state) is stored as such.
+    Returns the stored calibration, or None when it failed (a message says so; the
+    defaults are used and the next load tries again)."""
+    path = Path(model_path)
+    try:
+        read_header(path)
+    except (GGUFError, OSError):
+        return None
+    base = {"n_threads": config.n_threads, "n_gpu_layers": config.n_gpu_layers,
+            "index_backend": config.index_backend, "n_ctx": FIRST_USE_N_CTX}
+    if hasattr(config, "parallel"):
+        base["parallel"] = 1  # one request at a time: no KV cache for more
+    fixed = dict(adaptive=False, max_nodes=16, max_branches=4)
+    with load(**base, layer=0.25, **fixed) as probe:  # a load error is the load's error
+        n_layer, plain = probe.n_layer, probe.plain_only
+    if plain:
+        return _store(str(path), {"model": path.name, "model_size": path.stat().st_size,
+                                  "n_layer": n_layer, "plain_only": True})
+    layers = quick_layers(n_layer)
+    progress(f"srsd-local: first use of {path.name}: a short calibration of the retrieval "
+             f"layer ({len(layers)} layers; under a minute on a CPU for a small model; "
+             "--no-calibrate or Engine.load(..., calibrate=False) skips it)")
+    t0 = time.perf_counter()
+    try:
+        res = calibrate(lambda **kw: load(**base, **kw), str(path),
+                        first_use_prompts(FIRST_USE_CATEGORIES),
+                        layers=layers, top_ks=FIRST_USE_TOP_KS, depths=FIRST_USE_DEPTHS,
+                        max_tokens=FIRST_USE_TOKENS, progress=lambda s: progress("  " + s),
+                        n_layer=n_layer, extra={"quick": True})
+    except (ValueError, RuntimeError, OSError) as exc:
+        progress(f"srsd-local: the calibration of {path.name} failed ({exc}); using the "
+                 "default settings")
+        return None
+    progress(f"srsd-local: calibrated {path.name} in {time.perf_counter() - t0:.0f} s: layer "
+             f"{res['layer']} of {n_layer}, top_k {res['top_k']}, draft_depth "
+             f"{res['draft_depth']} (stored in {res['path']}; `srsd-local calibrate --model "
+             "...` measures more)")
+    return res

@@ -75,6 +75,9 @@ class GenerationResult:
     logprobs: list[TokenLogprob] | None = None  # per token, when asked for
 
 
+CHUNK_MIN, CHUNK_MAX = 16, 512  # automatic prompt chunks while other requests decode
+
+
 class Engine:
     """One model, one context, `parallel` requests at a time."""
 
@@ -384,7 +387,8 @@ class Engine:
         works: list[tuple[_Job, Work]] = []
         offset, gain, chunk_taken = 0, 0.0, False
         decoding = sum(1 for j in jobs if j.decoding and not j.done)
-        for job in jobs:
+        # decoding requests plan first; a prompt chunk then fits what is left of the step
+        for job in sorted(jobs, key=lambda j: not j.decoding):
             if job.done:
                 continue
             if job.cancelled:
@@ -393,6 +397,7 @@ class Engine:
             job.batch_offset, job.batch_gain = offset, gain
             job.may_prefill_all = decoding == 0 or (decoding == 1 and job.decoding)
             job.may_prefill = not chunk_taken
+            job.chunk = self._chunk_size(offset)
             try:
                 work = next(job.gen)
             except StopIteration:
@@ -400,6 +405,8 @@ class Engine:
                 continue
             except BaseException as exc:  # noqa: BLE001 - delivered to the request's caller
                 job.fail(exc)
+                continue
+            if not len(work):  # waiting for its turn to prefill
                 continue
             works.append((job, work))
             offset += len(work)
@@ -428,6 +435,14 @@ class Engine:
             n = sum(len(w) for _, w in works)
             ctx = sum(j.slot.n_past * len(w) for j, w in works) // n
             self.speculator.observe_cost(n, time.perf_counter() - t0, ctx)
+
+    def _chunk_size(self, decoding_tokens: int) -> int:
+        """Prompt tokens to prefill next to `decoding_tokens` of other requests: the
+        configured chunk, else as many as keep the pass within twice its cost without them
+        (the others' inter-token gap), by the cost model."""
+        if self.config.prefill_chunk:
+            return self.config.prefill_chunk
+        return self.speculator.cost.largest_within(decoding_tokens, 2.0, CHUNK_MIN, CHUNK_MAX)
 
     def _set_capture(self, on: bool) -> None:
         if self.backend.capture is not None:
@@ -541,7 +556,7 @@ class Engine:
         while True:
             while not (job.may_prefill or job.may_prefill_all):
                 yield Work([], np.zeros(0, np.int32), [], np.zeros(0, np.int8), False, True)
-            size = n - pos if job.may_prefill_all else min(self.config.chunk, n - pos)
+            size = n - pos if job.may_prefill_all else min(job.chunk, n - pos)
             part = tokens[pos: pos + size]
             last = pos + size == n
             flags = np.zeros(size, dtype=np.int8)
@@ -697,6 +712,7 @@ class _Job:
         # set by the scheduler before each resume
         self.batch_offset, self.batch_gain = 0, 0.0
         self.may_prefill = self.may_prefill_all = True
+        self.chunk = CHUNK_MAX  # prompt tokens this request may prefill in the next pass
         self.expected_tokens = 1.0  # what this request's Work is expected to emit
 
     def emit(self, event: StreamEvent) -> None:

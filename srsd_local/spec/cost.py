@@ -148,3 +148,13 @@ class CostModel:
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
         return cls(d["sizes"], d["seconds"], d.get("per_kv", 0.0), d.get("ctx0", 0))
+
+    def largest_within(self, base: int, factor: float, lo: int, hi: int,
+                       ctx: int | None = None) -> int:
+        """The most tokens c (lo <= c <= hi) that can join a pass of `base` tokens while the
+        pass costs at most `factor` times what it costs without them."""
+        base = max(base, 1)
+        t = self.table(base + hi, ctx)
+        limit = factor * t[base]
+        fits = np.flatnonzero(t[base + lo: base + hi + 1] <= limit)
+        return lo + int(fits[-1]) if len(fits) else lo
