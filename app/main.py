@@ -4,22 +4,26 @@
 - `srsd-local ui`: the UI at /, the API endpoints along with it (`run_ui`).
 
 The API (app/server.py) and the UI (app/ui.py) know only the Service (app/service.py), not
-each other.
+each other. The guards of app/guard.py (Host, API key, body) wrap both.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
+from .guard import allowed_hosts
+from .lifecycle import check_model_file, run_server
 from .server import create_app
 from .service import Service
 
 
-def build_app(service: Service, ui_path: str | None = "/ui") -> Any:
-    """The FastAPI app of `service`, with the UI mounted at `ui_path` (None: no UI)."""
-    app = create_app(service)
+def build_app(service: Service, ui_path: str | None = "/ui",
+              hosts: Collection[str] | None = None, cors_origins: Collection[str] = ()) -> Any:
+    """The FastAPI app of `service`, with the UI mounted at `ui_path` (None: no UI); hosts:
+    the Host names answered (None: any); cors_origins: origins allowed by CORS."""
+    app = create_app(service, allowed_hosts=hosts, cors_origins=cors_origins)
     if ui_path is not None:
         from .ui import mount_ui  # noqa: PLC0415  (gradio is slow to import)
 
@@ -27,22 +31,25 @@ def build_app(service: Service, ui_path: str | None = "/ui") -> Any:
     return app
 
 
-def _run(app: Any, args: argparse.Namespace) -> int:
-    import uvicorn  # noqa: PLC0415
-
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    return 0
+def _run(service: Service, args: argparse.Namespace, ui_path: str | None,
+         banner: str | None = None) -> int:
+    check_model_file(getattr(args, "model", None))
+    if banner:
+        print(banner, flush=True)
+    app = build_app(service, ui_path=ui_path,
+                    hosts=allowed_hosts(args.host, getattr(args, "allowed_host", None) or ()),
+                    cors_origins=getattr(args, "cors_origin", None) or ())
+    return run_server(app, service, args.host, args.port)
 
 
 def serve(args: argparse.Namespace, load: Callable[[], Any]) -> int:
     """`srsd-local serve` (load: builds the Engine, in the background)."""
     service = Service(load, model_id=args.alias, api_key=args.api_key, mode=args.mode,
                       max_queue=args.max_queue)
-    return _run(build_app(service, ui_path=None if args.no_ui else "/ui"), args)
+    return _run(service, args, None if args.no_ui else "/ui")
 
 
 def run_ui(args: argparse.Namespace, load: Callable[[], Any]) -> int:
     """`srsd-local ui`: the UI at / (the API endpoints come along)."""
-    app = build_app(Service(load), ui_path="/")
-    print(f"srsd-local UI on http://{args.host}:{args.port}/", flush=True)
-    return _run(app, args)
+    service = Service(load, api_key=getattr(args, "api_key", None))
+    return _run(service, args, "/", banner=f"srsd-local UI on http://{args.host}:{args.port}/")

@@ -43,6 +43,21 @@ ACCEPTED = {
     "stream_options.include_usage": "true or false",
     "srsd": "an object such as {\"mode\": \"srsd\"}",
     "srsd.mode": ", ".join(MODES),
+    "tools": "none yet: tool calling is not supported (omit it, or send null or [])",
+    "functions": "none yet: function calling is not supported (omit it, or send null or [])",
+    "tool_choice": "\"none\" or \"auto\" (tool calling is not supported yet)",
+    "function_call": "\"none\" or \"auto\" (function calling is not supported yet)",
+    "response_format": "{\"type\": \"text\"} (JSON mode and structured outputs are not "
+                       "supported yet)",
+}
+# fields OpenAI defines that this server cannot honour yet: refused, not silently ignored
+# (field -> whether a value is acceptable)
+UNSUPPORTED = {
+    "tools": lambda v: v is None or v == [],
+    "functions": lambda v: v is None or v == [],
+    "tool_choice": lambda v: v in (None, "none", "auto"),
+    "function_call": lambda v: v in (None, "none", "auto"),
+    "response_format": lambda v: v is None or v == {"type": "text"},
 }
 
 
@@ -99,8 +114,20 @@ class _Generation(_Open):
     srsd: SrsdOptions | None = Field(None, description=_doc(
         "srsd", "srsd-local's options."))
 
+    def _refuse_unsupported(self) -> None:
+        extra = self.model_extra or {}
+        for name, acceptable in UNSUPPORTED.items():
+            value = extra.get(name)
+            if not acceptable(value):
+                shown = json.dumps(value, default=str)
+                shown = shown if len(shown) <= 80 else shown[:77] + "..."
+                raise APIError(400, f"'{name}' {shown} is not supported yet by this server; "
+                               f"accepted: {ACCEPTED[name]}", param=name,
+                               code="unsupported_parameter")
+
     def _gen_request(self, kind: str, prompt: str | list[int] | None,
                      messages: list[dict] | None) -> GenRequest:
+        self._refuse_unsupported()
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens

@@ -4,26 +4,34 @@
   them and documents them in /openapi.json (and /docs).
 - Every error is answered in OpenAI's shape {"error": {"message", "type", "param", "code"}}:
   invalid fields 400 (with the field in `param`), bad API key 401, unknown model 404, body
-  over 8 MiB 413, queue full 429, model loading or failed 503; bad input is never a 500, and
-  the server keeps serving.
+  over 8 MiB 413, not JSON 415, queue full 429 (with Retry-After), model loading or server
+  shutting down 503; bad input is never a 500, and the server keeps serving.
+- The middlewares of app/guard.py check the Host, the API key (every path but /health) and
+  the body (type, size, nesting) before any route runs.
 - A client that goes away stops its generation within one step (non-streaming: polled
   between steps; streaming: sse-starlette cancels the response task).
+- An error after a stream started (shutdown, an engine error) is its last event, in
+  OpenAI's error shape, and the stream ends cleanly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import APIError
+from .guard import BodyGuard, HostGuard, KeyGuard
 from .schemas import (
     AssistantMessage,
     ChatChoice,
@@ -43,82 +51,34 @@ from .schemas import (
     Usage,
     validation_error,
 )
-from .service import GenRequest, Service, never_disconnected
+from .service import LOAD_FAILED, GenRequest, Service, never_disconnected
 
-MAX_BODY_BYTES = 8 << 20
 GENERATION_PATHS = {"/v1/completions": CompletionRequest,
                     "/v1/chat/completions": ChatCompletionRequest}
+OPEN_PATHS = ("/health",)  # answered without the API key
+ENDPOINTS = {*GENERATION_PATHS, *OPEN_PATHS, "/v1/models", "/metrics", "/docs", "/redoc",
+             "/openapi.json"}  # the metrics' endpoint labels; any other path is "other"
+STREAM_GRACE_S = 3  # on shutdown, a stream gets this long to end itself before it is cut
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse, "description": what} for code, what in (
         (400, "invalid request (`param` names the field)"), (401, "missing or wrong API key"),
         (404, "unknown model"), (413, "request body over 8 MiB"),
-        (429, "queue full: retry later"), (503, "model loading, or it failed to load"))}
+        (415, "the body is not sent as application/json"),
+        (429, "queue full: retry after the Retry-After header's seconds"),
+        (503, "model loading, or the server shutting down"))}
 
 
-class BodyLimit:
-    """ASGI middleware for the generation endpoints: answers 413 for a body over the limit
-    (before anything reads it) and reads the body as JSON whatever its Content-Type says
-    (curl -d sends form encoding). A plain ASGI class, not BaseHTTPMiddleware, so that the
-    endpoints still see the client disconnect."""
-
-    def __init__(self, app: Any, service: Service, limit: int = MAX_BODY_BYTES) -> None:
-        self.app, self.service, self.limit = app, service, limit
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        path = scope.get("path")
-        if scope["type"] != "http" or scope.get("method") != "POST" or \
-                path not in GENERATION_PATHS:
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope["headers"])
-        length = headers.get(b"content-length", b"").decode("latin-1")
-        if length.isdigit() and int(length) > self.limit:
-            await self._reject(scope, receive, send, int(length))
-            return
-        chunks, size = [], 0
-        while True:
-            msg = await receive()
-            if msg["type"] == "http.disconnect":
-                return  # the client went away while sending
-            chunks.append(msg.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.limit:
-                await self._reject(scope, receive, send, size)
-                return
-            if not msg.get("more_body", False):
-                break
-        body = b"".join(chunks)
-        replayed = False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        headers[b"content-type"] = b"application/json"
-        scope = dict(scope, headers=list(headers.items()))
-        await self.app(scope, replay, send)
-
-    async def _reject(self, scope: dict, receive: Any, send: Any, size: int) -> None:
-        from starlette.datastructures import Headers  # noqa: PLC0415
-
-        try:
-            self.service.check_key(Headers(scope=scope))
-            exc = APIError(413, f"request body is {size} bytes; the limit is {self.limit}",
-                           code="request_too_large")
-        except APIError as auth:
-            exc = auth
-        self.service.metrics.requests.labels(scope["path"], str(exc.status)).inc()
-        await JSONResponse(exc.body(), status_code=exc.status)(scope, receive, send)
-
-
-def create_app(service: Service) -> FastAPI:
-    """The API app; its lifespan starts the service (queue, model loading)."""
+def create_app(service: Service, allowed_hosts: Collection[str] | None = None,
+               cors_origins: Collection[str] = ()) -> FastAPI:
+    """The API app; its lifespan starts the service (queue, model loading). allowed_hosts:
+    the Host names answered (None: any); cors_origins: browser origins allowed by CORS."""
     from sse_starlette.sse import EventSourceResponse  # noqa: PLC0415
 
     from .. import __version__  # noqa: PLC0415
+
+    # on shutdown a stream ends itself at its next step (sse-starlette >= 3 waits for that)
+    grace = {"shutdown_grace_period": STREAM_GRACE_S} if "shutdown_grace_period" in \
+        inspect.signature(EventSourceResponse).parameters else {}
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -128,12 +88,28 @@ def create_app(service: Service) -> FastAPI:
     app = FastAPI(title="srsd-local", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible API of srsd-local: completions and chat "
                               "completions (streamed or not) with speculative decoding.")
-    app.add_middleware(BodyLimit, service=service)
     count = service.metrics.requests
 
-    def error(exc: APIError, endpoint: str) -> JSONResponse:
-        count.labels(endpoint, str(exc.status)).inc()
-        return JSONResponse(exc.body(), status_code=exc.status)
+    def count_path(path: str, status: int) -> None:
+        count.labels(path if path in ENDPOINTS else "other", str(status)).inc()
+
+    # added innermost first: Host, then CORS, then the key, then the body
+    app.add_middleware(BodyGuard, paths=GENERATION_PATHS, count=count_path)
+    if service.api_key:
+        app.add_middleware(KeyGuard, key=service.api_key, count=count_path,
+                           open_paths=OPEN_PATHS)
+    if cors_origins:
+        from starlette.middleware.cors import CORSMiddleware  # noqa: PLC0415
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(cors_origins),
+                           allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)
+    if allowed_hosts is not None:
+        app.add_middleware(HostGuard, allowed=allowed_hosts, count=count_path)
+
+    def error(exc: APIError, endpoint: str, headers: Any = None) -> JSONResponse:
+        count_path(endpoint, exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers or exc.headers)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -142,28 +118,37 @@ def create_app(service: Service) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         endpoint = request.url.path
-        try:  # a bad key is answered first, as for a valid body
-            service.check_key(request.headers)
-        except APIError as auth:
-            return error(auth, endpoint)
         errors = [dict(e, loc=tuple(e.get("loc", ()))[1:]) if tuple(e.get("loc", ()))[:1]
                   == ("body",) else e for e in exc.errors()]
         return error(validation_error(errors, GENERATION_PATHS.get(endpoint, CompletionRequest)),
                      endpoint)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own errors (an unreadable body, an unknown path) in OpenAI's shape too
+        path, status = request.url.path, exc.status_code
+        message = {404: f"no such endpoint: {path} (see /docs)",
+                   405: f"{request.method} is not allowed on {path} (see /docs)"}.get(
+            status, str(exc.detail))
+        if status == 400 and path in GENERATION_PATHS:
+            message = "the request body could not be read as JSON (UTF-8 text expected)"
+        return error(APIError(status, message, type_="invalid_request_error" if status < 500
+                              else "server_error"), path, exc.headers)
+
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        return error(APIError(500, f"internal error: {type(exc).__name__}: {exc}",
+        return error(APIError(500, f"internal error: {type(exc).__name__}",
                               type_="server_error"), request.url.path)
 
-    async def authorized(request: Request) -> None:
-        service.check_key(request.headers)
-
     @app.get("/health", response_model=Health, response_model_exclude_none=True,
-             responses={503: {"model": Health, "description": "loading, or failed to load"}})
+             responses={503: {"model": Health, "description": "loading, failed to load, or "
+                                                               "shutting down"}})
     async def health() -> Any:
+        # open to all: the state only, never the model's path or why it failed to load
+        if service.closing:
+            return JSONResponse({"status": "shutting down"}, 503)
         if service.load_error:
-            return JSONResponse({"status": "error", "error": service.load_error}, 503)
+            return JSONResponse({"status": "error", "error": LOAD_FAILED}, 503)
         if service.engine is None:
             return JSONResponse({"status": "loading model"}, 503)
         return Health(status="ok", model=service.model_id)
@@ -175,7 +160,7 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/v1/models", response_model=ModelList,
              responses={k: v for k, v in _ERRORS.items() if k in (401, 503)})
-    async def models(_auth: None = Depends(authorized)) -> ModelList:
+    async def models() -> ModelList:
         service.check_ready()
         count.labels("/v1/models", "200").inc()
         return ModelList(data=[ModelCard(id=service.model_id)])
@@ -236,7 +221,7 @@ def create_app(service: Service) -> FastAPI:
             return Response(status_code=499)
 
         async def sse() -> AsyncIterator[str]:
-            ok = False
+            status = "499"  # unless it ends, or ends with an error
             try:
                 if chat:
                     yield chunk("", None, first=True)
@@ -248,20 +233,27 @@ def create_app(service: Service) -> FastAPI:
                         yield chunk(None if chat else "", ev.finish_reason)
                         if req.include_usage:
                             yield usage_chunk(ev.stats)
-                        ok = True
+                        status = "200"
                         break
                     try:
                         ev = await agen.__anext__()
                     except StopAsyncIteration:
                         break
                 yield "[DONE]"
-            except APIError as exc:
+            except APIError as exc:  # a bad prompt, or shutdown: an error event ends it
+                status = str(exc.status)
                 yield ErrorResponse.model_validate(exc.body()).model_dump_json()
+            except Exception as exc:  # an engine error: said in the stream, not a cut
+                logging.getLogger("srsd_local.app").exception("error in a stream")
+                status = "500"
+                yield ErrorResponse.model_validate(APIError(
+                    500, f"internal error: {type(exc).__name__}", type_="server_error",
+                    code="internal_error").body()).model_dump_json()
             finally:
                 await agen.aclose()
-                count.labels(endpoint, "200" if ok else "499").inc()
+                count.labels(endpoint, status).inc()
 
-        return EventSourceResponse(sse(), sep="\n", ping=None)
+        return EventSourceResponse(sse(), sep="\n", ping=None, **grace)
 
     def responses(what: str, chunk: str) -> dict[int | str, dict[str, Any]]:
         """OpenAPI responses of a generation route: the errors, and the streamed form."""
@@ -273,14 +265,12 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/v1/completions", response_model=Completion,
               responses=responses("the completion", "Completion"))
-    async def completions(body: CompletionRequest, request: Request,
-                          _auth: None = Depends(authorized)) -> Any:
+    async def completions(body: CompletionRequest, request: Request) -> Any:
         return await handle(request, body.to_gen_request())
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion,
               responses=responses("the chat completion", "ChatCompletionChunk"))
-    async def chat_completions(body: ChatCompletionRequest, request: Request,
-                               _auth: None = Depends(authorized)) -> Any:
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         return await handle(request, body.to_gen_request())
 
     def openapi() -> dict[str, Any]:

@@ -5,7 +5,13 @@ one bounded FIFO queue, and the metrics of what it generated.
   full) and a request never interrupts another.
 - Generation runs step by step on one worker thread; between steps the caller may check
   whether its client went away, so a dropped client stops its generation within one step.
-- Only the public Engine API is used (n_ctx, model_path, tokenize, stream, ...).
+- Shutdown (`shutdown`, on SIGTERM): queued requests get 503 at once, the running one at
+  its next step; new ones get 503.
+- A model that fails to load is reported to `on_load_error` (the server exits); clients and
+  /health only learn that it failed, never the path or the file's bytes.
+- An unexpected engine error fails its request (500) and resets the engine's context, so the
+  next request does not inherit what the error left behind.
+- Only the public Engine API is used (n_ctx, model_path, tokenize, stream, reset, ...).
 - Metrics: every finished generation's GenerationStats is merged into one running total
   (`GenerationStats.merge`), and Prometheus reads its counters from that total.
 """
@@ -14,7 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import re
 import threading
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import GenerationStats
-from .errors import APIError
+from .errors import APIError, shutting_down
 
 
 @dataclass
@@ -128,30 +137,73 @@ class _TotalCollector:
                                 value=last_tps)
 
 
-# -- the engine slot: FIFO, bounded ----------------------------------------------------------------
+# -- the engine slot: FIFO, bounded, closable --------------------------------------------------
+RETRY_AFTER_S = 2  # the Retry-After of a 429: a guess; a generation takes seconds
+
+
 class EngineSlot:
+    """One engine, one holder at a time; up to `max_queue` waiters in arrival order (429
+    beyond). `close` (shutdown) fails every waiter with 503 and refuses new ones."""
+
     def __init__(self, max_queue: int, metrics: Metrics) -> None:
         self.max_queue = max_queue
         self.metrics = metrics
-        self._lock = asyncio.Lock()
-        self.waiting = 0
+        self.busy = False
+        self.closing = False
+        self._waiters: deque[asyncio.Future] = deque()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def _gauge(self) -> None:
+        self.metrics.queue_length.set(len(self._waiters))
+
     async def acquire(self) -> None:
-        if self.waiting >= self.max_queue and self._lock.locked():
-            raise APIError(429, f"the server is busy: {self.waiting} requests are waiting "
-                           f"(--max-queue {self.max_queue}); retry later",
-                           type_="rate_limit_error", code="queue_full")
-        self.waiting += 1
-        self.metrics.queue_length.set(self.waiting)
+        if self.closing:
+            raise shutting_down()
+        if not self.busy:  # waiters exist only while the slot is busy
+            self.busy = True
+            return
+        if len(self._waiters) >= self.max_queue:
+            raise APIError(429, f"the server is busy: {len(self._waiters)} requests are "
+                           f"waiting (--max-queue {self.max_queue}); retry later",
+                           type_="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        self._gauge()
         try:
-            await self._lock.acquire()
+            await fut  # a result: the slot was handed over; an exception: shutdown
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self.release()  # handed the slot as the client went away: pass it on
+            elif fut in self._waiters:
+                self._waiters.remove(fut)
+            raise
         finally:
-            self.waiting -= 1
-            self.metrics.queue_length.set(self.waiting)
+            self._gauge()
 
     def release(self) -> None:
-        self._lock.release()
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)  # the slot stays busy: handed to the next in line
+                self._gauge()
+                return
+        self.busy = False
+        self._gauge()
+
+    def close(self) -> None:
+        """Refuse new requests and answer every waiting one 503 (the running one stops at
+        its next step: `Service.events` checks `closing`)."""
+        self.closing = True
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_exception(shutting_down())
+        self._gauge()
 
     async def run(self, fn: Callable, *args: Any) -> Any:
         loop = asyncio.get_running_loop()
@@ -169,28 +221,41 @@ async def never_disconnected() -> bool:
     return False
 
 
+LOAD_FAILED = "the model failed to load; the server's log says why"
+_BYTES = re.compile(r"""(?<!\w)b('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")""")
+
+
+def redact(message: str) -> str:
+    """`message` without the bytes literals an error may quote from a file (its first
+    bytes, say): the server never echoes a file's contents."""
+    return _BYTES.sub("<bytes not shown>", message)
+
+
 class Service:
     """Holds the engine (loaded in the background) and serves requests."""
 
     def __init__(self, load: Callable[[], Any], model_id: str | None = None,
-                 api_key: str | None = None, mode: str | None = None, max_queue: int = 16
-                 ) -> None:
+                 api_key: str | None = None, mode: str | None = None, max_queue: int = 16,
+                 on_load_error: Callable[[str], None] | None = None) -> None:
         if max_queue < 1:
             raise ValueError(f"--max-queue {max_queue}: accepted is an integer >= 1")
         self.engine = None
-        self.load_error: str | None = None
+        self.load_error: str | None = None  # for the log only (redacted), never for clients
         self.model_id = model_id
         self.api_key = api_key
         self.mode = mode
         self.metrics = Metrics()
         self.max_queue = max_queue
+        self.on_load_error = on_load_error
         self._load = load
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.slot: EngineSlot | None = None
         self.ready = threading.Event()
 
     async def start(self) -> None:
         """Create the queue (on the running event loop) and start loading the model."""
         if self.slot is None:
+            self._loop = asyncio.get_running_loop()
             self.slot = EngineSlot(self.max_queue, self.metrics)
             self.start_loading()
 
@@ -201,12 +266,30 @@ class Service:
                 if self.model_id is None:
                     self.model_id = Path(eng.model_path).stem
                 self.engine = eng
-            except Exception as exc:  # reported by /health and every request
-                self.load_error = str(exc)
+            except Exception as exc:  # /health and every request answer 503
+                self.load_error = redact(str(exc)) or type(exc).__name__
+                if self.on_load_error is not None:
+                    self.on_load_error(self.load_error)
             finally:
                 self.ready.set()
 
         threading.Thread(target=work, name="model-loader", daemon=True).start()
+
+    # -- shutdown --------------------------------------------------------------------------
+    @property
+    def closing(self) -> bool:
+        return self.slot is not None and self.slot.closing
+
+    def shutdown(self) -> None:
+        """On the event loop: new and queued requests get 503, the running generation stops
+        at its next step (a stream ends with an error event)."""
+        if self.slot is not None:
+            self.slot.close()
+
+    def request_shutdown(self) -> None:
+        """`shutdown` from any thread or a signal handler."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.shutdown)
 
     def model_ids(self) -> set[str]:
         eng = self.engine
@@ -216,21 +299,13 @@ class Service:
         return ids
 
     def check_ready(self) -> None:
+        if self.closing:
+            raise shutting_down()
         if self.load_error:
-            raise APIError(503, f"the model failed to load: {self.load_error}",
-                           type_="server_error", code="model_load_failed")
+            raise APIError(503, LOAD_FAILED, type_="server_error", code="model_load_failed")
         if self.engine is None:
             raise APIError(503, "the model is still loading", type_="server_error",
                            code="model_loading")
-
-    def check_key(self, headers: Any) -> None:
-        if not self.api_key:
-            return
-        auth = headers.get("authorization", "")
-        token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-        if token != self.api_key:
-            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
-                           type_="authentication_error", code="invalid_api_key")
 
     # -- generation ------------------------------------------------------------------------
     def _prepare(self, req: GenRequest) -> tuple[str | list[int], dict[str, Any]]:
@@ -249,14 +324,19 @@ class Service:
                 tokens = list(req.prompt)  # token ids: Engine.stream checks the range
         except ValueError as exc:
             raise APIError(400, str(exc), param=param, code="invalid_value") from exc
-        n_ctx = eng.n_ctx
-        room = n_ctx - len(tokens)
-        max_tokens = req.max_tokens if req.max_tokens is not None else max(room, 0)
-        if len(tokens) + max_tokens > n_ctx or room <= 0:
-            raise APIError(400, f"this model's context is {n_ctx} tokens; the prompt has "
-                           f"{len(tokens)} and max_tokens is {max_tokens} (together "
-                           f"{len(tokens) + max_tokens}); shorten the prompt or lower "
-                           "max_tokens", param="max_tokens", code="context_length_exceeded")
+        n_ctx, n = eng.n_ctx, len(tokens)
+        what = "the messages are" if req.kind == "chat" else "the prompt is"
+        if n >= n_ctx:
+            raise APIError(400, f"{what} {n} tokens and this model's context is {n_ctx} "
+                           "tokens, which leaves no room to generate; shorten the "
+                           f"{param} to at most {n_ctx - 1} tokens", param=param,
+                           code="context_length_exceeded")
+        max_tokens = req.max_tokens if req.max_tokens is not None else n_ctx - n
+        if n + max_tokens > n_ctx:
+            raise APIError(400, f"this model's context is {n_ctx} tokens; {what} {n} tokens "
+                           f"and max_tokens is {max_tokens} (together {n + max_tokens}); "
+                           f"lower max_tokens to at most {n_ctx - n} or shorten the {param}",
+                           param="max_tokens", code="context_length_exceeded")
         kwargs = dict(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                       top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop or None,
                       mode=req.mode or self.mode)
@@ -266,8 +346,9 @@ class Service:
                      ) -> AsyncIterator[Any]:
         """Engine events for one request, holding the engine slot throughout."""
         assert self.slot is not None, "Service.start() was not awaited"
-        await self.slot.acquire()
-        gen = None
+        slot = self.slot
+        await slot.acquire()
+        gen, failed = None, False
         try:
             tokens, kwargs = self._prepare(req)
             gen = self.engine.stream(tokens, **kwargs)
@@ -275,10 +356,15 @@ class Service:
             # refuses (token ids out of range, an empty prompt) is about the prompt
             param: str | None = "messages" if req.kind == "chat" else "prompt"
             while True:
+                if slot.closing:  # shutdown: stop at this step
+                    raise shutting_down()
                 try:
-                    ev = await self.slot.run(_next, gen)
+                    ev = await slot.run(_next, gen)
                 except ValueError as exc:
                     raise APIError(400, str(exc), param=param, code="invalid_value") from exc
+                except Exception:
+                    failed = True  # an engine error: its context may be inconsistent now
+                    raise
                 param = None
                 if ev is _END:
                     return
@@ -292,6 +378,19 @@ class Service:
         finally:
             # close the generation on the engine thread (after a step in flight, FIFO) and
             # free the slot without awaiting anything: a cancelled task may not await again
+            loop = asyncio.get_running_loop()
             if gen is not None:
-                asyncio.get_running_loop().run_in_executor(self.slot.executor, gen.close)
-            self.slot.release()
+                loop.run_in_executor(slot.executor, gen.close)
+            if failed:  # before the next request's steps (FIFO)
+                loop.run_in_executor(slot.executor, self._reset_engine)
+            slot.release()
+
+    def _reset_engine(self) -> None:
+        """After an unexpected engine error (answered 500) the next request starts from a
+        clean context rather than from one the error may have left inconsistent."""
+        log = logging.getLogger("srsd_local.app")
+        try:
+            self.engine.reset()
+            log.warning("engine error: its context was reset (see the traceback above)")
+        except Exception as exc:
+            log.error("engine error, and its context could not be reset: %s", exc)

@@ -136,8 +136,8 @@ class UIState:
 
     def status(self) -> str:
         s = self.service
-        if s.load_error:
-            return f"**Model failed to load:** {s.load_error}"
+        if s.load_error:  # why: in the server's log only
+            return "**The model failed to load** (the server's log says why)"
         if s.engine is None:
             return "Loading model…"
         eng = s.engine
@@ -309,6 +309,9 @@ def build_ui(service: Service):
             return gr.update(language=lang), gr.update(language=lang)
 
         language.change(set_language, language, [original, edited], api_name=False)
+    # every event through the queue: the direct routes (/run, /api) keep a streaming
+    # generator suspended after its first output, and with it the engine, for good
+    demo.queue(api_open=False)
     return demo
 
 

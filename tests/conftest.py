@@ -57,18 +57,22 @@ def free_port() -> int:
 
 def start_cli_server(args: list[str], timeout: float = 240):
     """Start `srsd-local ARGS --port P` and wait until /health answers 200.
-    Returns (process, base URL, whether a 503 was seen while loading)."""
+    Returns (process, base URL, whether a 503 was seen while loading). The server's output
+    goes to a file (`proc.log`), not a pipe that nobody reads and that could fill up."""
     import httpx
 
     port = free_port()
+    log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen([sys.executable, "-m", "srsd_local.cli", *args, "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc.log = log
     base = f"http://127.0.0.1:{port}/"
     saw_503 = False
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError("server exited: " + proc.stdout.read())
+            log.seek(0)
+            raise RuntimeError("server exited: " + log.read())
         try:
             code = httpx.get(base + "health", timeout=2).status_code
             saw_503 = saw_503 or code == 503
@@ -79,3 +83,20 @@ def start_cli_server(args: list[str], timeout: float = 240):
         time.sleep(0.2)
     proc.kill()
     raise RuntimeError("server did not become healthy")
+
+
+API_KEY = "test-key"
+
+
+@pytest.fixture(scope="session")
+def api_server(tmp_path_factory):
+    """`srsd-local serve` on the default model, shared by the server tests: key API_KEY,
+    alias gemma-test, no UI, 2048 tokens of context, a queue of 8."""
+    with pytest.MonkeyPatch.context() as mp:  # the server's caches: not the user's
+        mp.setenv("SRSD_CACHE_DIR", str(tmp_path_factory.mktemp("srsd-cache")))
+        proc, base, saw_503 = start_cli_server(
+            ["serve", "--api-key", API_KEY, "--max-queue", "8", "--alias", "gemma-test",
+             "--no-ui", "--n-ctx", "2048"])
+    yield {"base": base.rstrip("/"), "saw_503": saw_503, "proc": proc, "key": API_KEY}
+    proc.terminate()
+    proc.wait(timeout=30)

@@ -248,7 +248,9 @@ def test_generate_many_equals_each_request_alone_and_shares_passes():
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode():
-    eng = make_engine(parallel=2, prefill_chunk=16)
+    # decodes take time, so the first request is still decoding when the second arrives
+    eng = Engine(FakeBackend(step_cost=lambda n: 0.003),
+                 SRSDConfig(index_backend="numpy", n_ctx=512, parallel=2, prefill_chunk=16))
     be = eng.backend
     sizes = []
     real = be.decode
@@ -308,3 +310,16 @@ def test_submitted_requests_run_side_by_side_and_cancel_cleanly():
             eng.submit(prompt="x", max_tokens=-1)
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("mode", ["ar", "srsd"])
+def test_a_stream_closed_early_leaves_the_context_usable(mode):
+    want = make_engine().generate(PROMPT, max_tokens=20, mode=mode).token_ids
+    eng = make_engine()
+    for _ in range(2):
+        g = eng.stream(PROMPT, max_tokens=30, mode=mode)
+        next(g)
+        next(g)
+        g.close()
+        assert len(eng.backend.seqs[0]) == eng.slots[0].n_past  # nothing left past it
+        assert eng.generate(PROMPT, max_tokens=20, mode=mode).token_ids == want

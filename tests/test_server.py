@@ -9,26 +9,20 @@ import time
 
 import httpx
 import pytest
-from conftest import start_cli_server
+from conftest import API_KEY, start_cli_server
 from text_data import assert_same_up_to_ties
 
 pytestmark = pytest.mark.model
 
-KEY = "test-key"
+KEY = API_KEY
+AUTH = {"Authorization": f"Bearer {KEY}"}
 AR = {"srsd": {"mode": "ar"}}  # plain decoding: batch shapes repeat, so outputs are exact
 PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:  # the server's caches: not the user's
-        mp.setenv("SRSD_CACHE_DIR", str(tmp_path_factory.mktemp("srsd-cache")))
-        proc, base, saw_503 = start_cli_server(
-            ["serve", "--api-key", KEY, "--max-queue", "8", "--alias", "gemma-test", "--no-ui",
-             "--n-ctx", "2048"])
-    yield {"base": base.rstrip("/"), "saw_503": saw_503, "proc": proc}
-    proc.terminate()
-    proc.wait(timeout=30)
+def server(api_server):
+    return api_server  # conftest: one server for these tests and tests/test_server_fuzz.py
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +33,7 @@ def client(server):
 
 
 def _metrics(server) -> dict[str, float]:
-    text = httpx.get(server["base"] + "/metrics").text
+    text = httpx.get(server["base"] + "/metrics", headers=AUTH).text
     out = {}
     for line in text.splitlines():
         m = re.match(r"^([a-z_]+(?:\{[^}]*\})?) ([0-9.e+-]+)$", line)
@@ -55,7 +49,8 @@ def test_health_and_models(server, client):
 
 
 def test_openapi_documents_the_request_bodies(server):
-    spec = httpx.get(server["base"] + "/openapi.json").json()
+    assert httpx.get(server["base"] + "/openapi.json").status_code == 401  # behind the key
+    spec = httpx.get(server["base"] + "/openapi.json", headers=AUTH).json()
     schemas = spec["components"]["schemas"]
     for path, field in (("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")):
         body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]
@@ -63,7 +58,7 @@ def test_openapi_documents_the_request_bodies(server):
         assert field in schema["required"]
         assert {"max_tokens", "temperature", "stop", "stream", "srsd"} <= set(schema["properties"])
     assert "/ui" not in spec["paths"]  # --no-ui
-    assert httpx.get(server["base"] + "/ui/").status_code == 404
+    assert httpx.get(server["base"] + "/ui/", headers=AUTH).status_code == 404
 
 
 def test_completion_matches_engine_and_usage_matches_tokenizer(client, engine):
@@ -141,7 +136,11 @@ BAD = [
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "srsd": {"mode": "warp"}}, 400, "srsd.mode"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-17"}, 404, "model"),
-    ("/v1/completions", {"prompt": "x " * 3000, "max_tokens": 100}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x " * 3000, "max_tokens": 100}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x " * 3000}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 3000}]}, 400,
+     "messages"),
+    ("/v1/completions", {"prompt": "x " * 1000, "max_tokens": 1500}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400,
@@ -160,8 +159,11 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(server, path, b
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param
-    if "x " * 3000 in str(body.get("prompt", "")) or body.get("max_tokens") == 100000:
-        assert err["code"] == "context_length_exceeded"
+    if "x " * 1000 in str(body) or body.get("max_tokens") == 100000:
+        assert err["code"] == "context_length_exceeded" and "2048" in err["message"]
+        if param in ("prompt", "messages"):  # the prompt alone is too long: its count
+            assert re.search(r"(is|are) \d{4} tokens", err["message"]), err["message"]
+            assert "max_tokens is" not in err["message"]
     ok = httpx.post(server["base"] + "/v1/completions", headers=h, timeout=60,
                     json={"prompt": "Hello", "max_tokens": 3, "temperature": 0})
     assert ok.status_code == 200
@@ -185,6 +187,35 @@ def test_malformed_body_auth_and_size(server):
     r = httpx.post(base + "/v1/completions", content=big, headers=h, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     assert httpx.get(base + "/health").status_code == 200
+
+
+def test_cross_site_and_rebinding_requests_are_refused(server):
+    """What a web page can make a browser send: text/plain or a form (no CORS preflight),
+    or any body to a name that resolves to 127.0.0.1 (DNS rebinding)."""
+    base = server["base"]
+    body = b'{"prompt": "Hello", "max_tokens": 2}'
+    for ctype in ("text/plain", "application/x-www-form-urlencoded"):
+        r = httpx.post(base + "/v1/completions", content=body,
+                       headers={**AUTH, "Content-Type": ctype})
+        assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
+    r = httpx.post(base + "/v1/completions", content=body, headers={
+        **AUTH, "Content-Type": "application/json", "Host": "attacker.example:8000"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "host_not_allowed"
+    r = httpx.post(base + "/v1/completions", content=body, headers={
+        **AUTH, "Content-Type": "application/json", "Host": "localhost"})
+    assert r.status_code == 200
+
+
+def test_deep_json_is_400_and_only_health_is_open(server):
+    base = server["base"]
+    deep = '{"prompt": "hi", "max_tokens": 2, "x": ' + "[" * 1000 + "]" * 1000 + "}"
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        r = httpx.post(base + path, content=deep,
+                       headers={**AUTH, "Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "nesting_too_deep"
+    for path in ("/metrics", "/docs", "/openapi.json", "/v1/models"):
+        assert httpx.get(base + path).status_code == 401, path
+    assert httpx.get(base + "/health").json() == {"status": "ok", "model": "gemma-test"}
 
 
 def test_dropped_stream_does_not_block_the_next_request(server, client):
@@ -234,13 +265,15 @@ def test_queue_full_gives_429(server):
     body = {"prompt": "Once upon a time", "max_tokens": 60, "temperature": 0}
 
     def call(_):
-        return httpx.post(server["base"] + "/v1/completions", json=body, headers=h,
-                          timeout=300).status_code
+        r = httpx.post(server["base"] + "/v1/completions", json=body, headers=h, timeout=300)
+        return r.status_code, r.headers.get("Retry-After")
 
     with cf.ThreadPoolExecutor(14) as ex:
-        codes = list(ex.map(call, range(14)))
+        answers = list(ex.map(call, range(14)))
+    codes = [c for c, _ in answers]
     assert 429 in codes and 200 in codes
     assert set(codes) <= {200, 429}
+    assert all(retry is not None and 1 <= int(retry) <= 60 for c, retry in answers if c == 429)
     r = httpx.post(server["base"] + "/v1/completions", json=body, headers=h, timeout=300)
     assert r.status_code == 200
 
@@ -269,3 +302,80 @@ def test_metrics_move_by_the_right_amounts(server, client):
                    if k.startswith("srsd_accepted_per_position_total"))
     assert per_pos - per_pos0 == t["draft_n_accepted"]
     assert "srsd_queue_length" in after and after["srsd_tokens_per_second"] > 0
+
+
+def test_sigterm_answers_queued_503_ends_the_stream_and_exits_within_seconds():
+    import json
+    import signal
+    import threading
+
+    proc, base, _ = start_cli_server(["serve", "--no-ui", "--n-ctx", "2560"])
+    base = base.rstrip("/")
+    try:
+        lines: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            with httpx.stream("POST", base + "/v1/completions", timeout=60, json={
+                    "prompt": "Once upon a time", "max_tokens": 2000, "stream": True,
+                    "temperature": 0.9, "seed": 3}) as r:
+                for line in r.iter_lines():  # raises if the stream is cut
+                    lines.append(line)
+                    if len(lines) >= 6:
+                        started.set()
+
+        def queued_length() -> float:
+            m = re.search(r"^srsd_queue_length ([0-9.]+)$",
+                          httpx.get(base + "/metrics").text, re.M)
+            return float(m.group(1)) if m else 0.0
+
+        with cf.ThreadPoolExecutor(2) as ex:
+            streaming = ex.submit(stream)
+            assert started.wait(60), "the stream did not start"
+            queued = ex.submit(httpx.post, base + "/v1/completions", timeout=60,
+                               json={"prompt": "Hi", "max_tokens": 2000})
+            deadline = time.time() + 30
+            while queued_length() < 1:
+                assert time.time() < deadline, "the second request was not queued"
+                time.sleep(0.05)
+            t0 = time.time()
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=10)
+            assert time.time() - t0 < 10
+            r = queued.result(timeout=10)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
+            streaming.result(timeout=10)  # a clean end: no error reading the stream
+        data = [ln[6:] for ln in lines if ln.startswith("data: ")]
+        assert json.loads(data[0])["choices"][0]["text"] is not None
+        assert json.loads(data[-1])["error"]["code"] == "server_shutting_down"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+SECRET = "TOP-SECRET-CONTENT"
+
+
+@pytest.mark.parametrize("kind", ["text", "truncated gguf"])
+def test_a_bad_model_file_fails_at_startup_without_echoing_it(tmp_path, model_path, kind):
+    import subprocess
+    import sys
+
+    path = tmp_path / ("notes.txt" if kind == "text" else "cut.gguf")
+    if kind == "text":
+        path.write_text(SECRET + "\n")
+    else:  # the header and part of the metadata of the real model
+        with open(model_path, "rb") as f:
+            path.write_bytes(f.read(1 << 20))
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "srsd_local.cli", "serve", "--no-ui",
+                           "--model", str(path), "--port", "0"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 1 and time.time() - t0 < 60
+    assert proc.stderr.startswith("srsd-local: error: ") or "srsd-local: error: " in \
+        proc.stderr, proc.stderr
+    assert str(path) in proc.stderr
+    out = proc.stdout + proc.stderr
+    for content in (SECRET, "general.architecture", "tokenizer", "gemma"):
+        assert content not in out, content

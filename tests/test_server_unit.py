@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import contextlib
 import threading
+import time
 
 import pytest
 from fakes import FakeBackend
@@ -71,18 +74,25 @@ def test_health_is_503_while_loading_then_200():
         assert body["choices"][0]["finish_reason"] == "length"
 
 
-def test_load_failure_is_reported_not_fatal():
-    def load():
-        raise ValueError("model file not found: 'x.gguf'")
+def test_load_failure_is_reported_without_details_and_not_fatal_in_process():
+    secret = "/srv/models/private.gguf"
+    told = []
 
-    svc = Service(load)
+    def load():
+        raise ValueError(f"{secret!r} is not a GGUF file (its first bytes are b'TOPS')")
+
+    svc = Service(load, on_load_error=told.append)
     with TestClient(create_app(svc)) as client:
         svc.ready.wait(10)
         h = client.get("/health")
-        assert h.status_code == 503 and "not found" in h.json()["error"]
+        assert h.status_code == 503 and h.json()["status"] == "error"
+        assert secret not in h.text and "TOPS" not in h.text
         r = client.post("/v1/chat/completions", json={"messages": [{"role": "user",
                                                                     "content": "x"}]})
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_load_failed"
+        assert secret not in r.text and "TOPS" not in r.text
+    # the log (the callback: the server prints it and exits) has the path, not the bytes
+    assert told and secret in told[0] and "TOPS" not in told[0]
 
 
 def test_streaming_on_the_fake_engine_ends_with_done():
@@ -116,7 +126,7 @@ class PublicOnly:
 
     PUBLIC = {"n_ctx", "n_vocab", "model_path", "model_name", "n_layer", "index_backend",
               "config", "token_text", "tokenize", "apply_chat_template", "stream", "generate",
-              "chat"}
+              "chat", "reset"}
 
     def __init__(self, engine) -> None:
         self._engine = engine
@@ -231,14 +241,32 @@ def test_body_errors_auth_first_and_size_limit(api):
     _error(client.post("/v1/completions", content=big, headers=bad_key), 401)
 
 
-def test_json_is_read_whatever_the_content_type_and_unknown_fields_are_kept_out(api):
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("ctype", [None, "text/plain", "application/x-www-form-urlencoded",
+                                   "multipart/form-data; boundary=x", "application/jsonx"])
+def test_generation_bodies_must_be_sent_as_json(api, path, ctype):
+    # text/plain and forms are what a web page may post cross-site without a CORS preflight
+    client, svc = api
+    headers = {"Content-Type": ctype} if ctype else {}
+    r = client.post(path, headers=headers, content=b'{"prompt": "ab", "max_tokens": 2}')
+    err = _error(r, 415)
+    assert err["code"] == "unsupported_media_type" and "application/json" in err["message"]
+    assert (repr(ctype) if ctype else "none") in err["message"]
+    assert f'endpoint="{path}",status="415"' in svc.metrics.render().decode()
+
+
+def test_json_with_charset_and_unknown_fields_including_logprobs_are_accepted(api):
     client, _ = api
-    form = {"Content-Type": "application/x-www-form-urlencoded"}  # what curl -d sends
-    r = client.post("/v1/completions", headers=form,
+    r = client.post("/v1/completions", headers={"Content-Type": "Application/JSON; charset=utf-8"},
                     content=b'{"prompt": "the cat the", "max_tokens": 4, "temperature": 0, '
                             b'"logprobs": null, "user": "me", "suffix": null, "echo": false}')
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 4
+    # logprobs are the engine's to come: still accepted (and not answered yet)
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "the cat"}], "max_tokens": 2,
+        "logprobs": True, "top_logprobs": 3})
+    assert r.status_code == 200, r.text
 
 
 def test_model_and_context_errors(api):
@@ -251,6 +279,21 @@ def test_model_and_context_errors(api):
     err = _error(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1000}), 400,
                  "max_tokens")
     assert err["code"] == "context_length_exceeded"
+    assert "max_tokens is 1000" in err["message"] and "at most 254" in err["message"]
+
+
+@pytest.mark.parametrize("max_tokens", [None, 5])
+def test_a_prompt_longer_than_the_context_names_the_prompt_and_its_tokens(api, max_tokens):
+    client, _ = api
+    extra = {} if max_tokens is None else {"max_tokens": max_tokens}
+    err = _error(client.post("/v1/completions", json={"prompt": "ab " * 100, **extra}), 400,
+                 "prompt")  # 301 tokens (BOS included), context 256
+    assert err["code"] == "context_length_exceeded"
+    assert "the prompt is 301 tokens" in err["message"] and "256" in err["message"]
+    assert "max_tokens is 0" not in err["message"]
+    err = _error(client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "ab " * 100}], **extra}), 400, "messages")
+    assert "the messages are" in err["message"] and "256 tokens" in err["message"]
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -337,21 +380,23 @@ def test_the_api_does_not_import_the_ui():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_a_dropped_client_stops_its_generation_through_the_body_middleware():
-    import time
+def _slow_engine(step_s: float = 0.02):
+    be = FakeBackend(n_ctx=4096, step_cost=lambda n: step_s)  # 1000 tokens: 20 s
+    be.model_path = "/models/fake.gguf"
+    return Engine(be, SRSDConfig(index_backend="numpy", mode="ar"))
 
+
+@contextlib.contextmanager
+def live_server(svc: Service, app=None):
+    """`svc`'s app (or `app`) served by uvicorn on a free port in a thread: (base URL,
+    the uvicorn.Server)."""
     import httpx
     import uvicorn
     from conftest import free_port
 
-    def load():
-        be = FakeBackend(n_ctx=4096, step_cost=lambda n: 0.02)  # 1000 tokens: 20 s
-        be.model_path = "/models/fake.gguf"
-        return Engine(be, SRSDConfig(index_backend="numpy", mode="ar"))
-
-    svc = Service(load, model_id="fake")
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(svc), port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app or create_app(svc), port=port,
+                                           log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"
@@ -364,17 +409,85 @@ def test_a_dropped_client_stops_its_generation_through_the_body_middleware():
             except httpx.TransportError:
                 pass
             time.sleep(0.05)
-        with pytest.raises(httpx.TimeoutException):  # greedy: "the cat" repeats, no EOS
-            httpx.post(base + "/v1/completions", json={"prompt": "the cat", "max_tokens": 1000,
-                                                       "temperature": 0}, timeout=1.0)
+        yield base, server
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def _until(cond, timeout: float = 10.0) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+LONG = {"prompt": "the cat", "max_tokens": 1000, "temperature": 0}  # greedy: no EOS, 20 s
+
+
+def test_a_dropped_client_stops_its_generation_through_the_body_middleware():
+    import httpx
+
+    svc = Service(_slow_engine, model_id="fake")
+    with live_server(svc) as (base, _):
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(base + "/v1/completions", json=LONG, timeout=1.0)
         t0 = time.time()
         r = httpx.post(base + "/v1/completions", json={"prompt": "ab", "max_tokens": 3},
                        timeout=60)
         assert r.status_code == 200 and time.time() - t0 < 5
         assert 'status="499"} 1.0' in svc.metrics.render().decode()
-    finally:
-        server.should_exit = True
-        thread.join(10)
+
+
+def test_queue_full_is_429_with_retry_after():
+    import httpx
+
+    svc = Service(_slow_engine, model_id="fake", max_queue=1)
+    with live_server(svc) as (base, server):
+        with cf.ThreadPoolExecutor(2) as ex:
+            running = ex.submit(httpx.post, base + "/v1/completions", json=LONG, timeout=30)
+            _until(lambda: svc.slot.busy)
+            queued = ex.submit(httpx.post, base + "/v1/completions", json=LONG, timeout=30)
+            _until(lambda: svc.slot.waiting == 1)
+            r = httpx.post(base + "/v1/completions", json=LONG, timeout=30)
+            err = _error(r, 429)
+            assert err["code"] == "queue_full" and "--max-queue 1" in err["message"]
+            assert r.headers["Retry-After"].isdigit() and 1 <= int(r.headers["Retry-After"]) <= 60
+            svc.request_shutdown()  # the running and the queued one end now, with 503
+            assert running.result().status_code == 503 and queued.result().status_code == 503
+
+
+def test_shutdown_answers_queued_503_ends_the_running_stream_cleanly_and_exits_fast():
+    import httpx
+
+    svc = Service(_slow_engine, model_id="fake", max_queue=4)
+    with live_server(svc) as (base, server):
+        lines: list[str] = []
+
+        def stream() -> None:
+            with httpx.stream("POST", base + "/v1/completions", json={**LONG, "stream": True},
+                              timeout=30) as r:
+                lines.extend(r.iter_lines())  # raises if the stream is cut
+
+        with cf.ThreadPoolExecutor(3) as ex:
+            streaming = ex.submit(stream)
+            _until(lambda: len(lines) >= 3)
+            queued = [ex.submit(httpx.post, base + "/v1/completions", json=LONG, timeout=30),
+                      ex.submit(httpx.post, base + "/v1/chat/completions", timeout=30, json={
+                          "messages": [{"role": "user", "content": "x"}], "stream": True})]
+            _until(lambda: svc.slot.waiting == 2)
+            t0 = time.time()
+            svc.request_shutdown()  # what SIGTERM does (app/lifecycle.py), and uvicorn's stop
+            server.should_exit = True
+            streaming.result(timeout=10)
+            for q in queued:
+                err = _error(q.result(timeout=10), 503)
+                assert err["code"] == "server_shutting_down"
+        import json
+        data = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: ")]
+        assert data[0]["choices"][0]["text"] and data[-1]["error"]["code"] == \
+            "server_shutting_down"
+        assert time.time() - t0 < 5
 
 
 @pytest.mark.parametrize("ui_path", ["/ui", "/"])
@@ -391,3 +504,333 @@ def test_composition_mounts_the_ui_beside_the_api(ui_path):
         assert r.status_code == 200
         assert not [p for p in client.get("/openapi.json").json()["paths"]
                     if p.startswith("/ui") or p.startswith("/gradio")]
+
+
+# -- bodies: nesting, size while reading, unsupported fields ------------------------------------
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", '{{"prompt": "hi", "max_tokens": 2, "x": {}}}'),
+    ("/v1/chat/completions", '{{"messages": [{{"role": "user", "content": "hi"}}], '
+                             '"max_tokens": 2, "x": {}}}'),
+])
+def test_json_nested_too_deep_is_400_not_a_recursion_error(api, path, body):
+    client, _ = api
+    h = {"Content-Type": "application/json"}
+    deep = body.format(_nested(1000))  # ~2 KB
+    assert len(deep) < 2200
+    err = _error(client.post(path, content=deep, headers=h), 400)
+    assert err["code"] == "nesting_too_deep"
+    assert "1001 levels" in err["message"] and "limit is 64" in err["message"]
+    for ok in (body.format(_nested(60)), body.replace('"hi"', '"' + "[" * 200 + '"')
+               .format("1")):  # deep enough but under the limit; brackets in a string
+        assert client.post(path, content=ok, headers=h).status_code == 200
+    assert client.get("/health").status_code == 200
+
+
+def test_json_depth_ignores_strings_and_bounds_invalid_text():
+    from srsd_local.app.guard import json_depth
+
+    assert json_depth(b'{"a": [1, {"b": []}]}') == 4
+    assert json_depth(b'{"a": "[[[{{{\\"]]", "b": "\\"[["}') == 1
+    assert json_depth(b'"[[[') == 3  # an unterminated string: counted (a parser fails first)
+    assert json_depth(b"[" * 9000) == 9000 and json_depth(b"[]" * 9000) == 1
+
+
+def test_a_chunked_upload_is_refused_at_the_limit_not_read_to_the_end():
+    """No Content-Length: the server counts while reading, answers 413 once past 8 MiB and
+    closes the connection instead of reading (and dropping) the rest."""
+    import select
+    import socket
+
+    svc = Service(_slow_engine, model_id="fake")
+    with live_server(svc) as (base, _):
+        port = int(base.rsplit(":", 1)[1])
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+        piece = b"a" * (1 << 20)
+        frame = b"%x\r\n" % len(piece) + piece + b"\r\n"
+        sent, answer = 0, b""
+        try:
+            while sent < 256 << 20:
+                if select.select([sock], [], [], 0)[0]:
+                    break
+                sock.sendall(frame)
+                sent += len(piece)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        with contextlib.suppress(ConnectionResetError):
+            while part := sock.recv(65536):  # the answer, then the end of the connection
+                answer += part
+        sock.close()
+        assert sent < 48 << 20, f"{sent >> 20} MiB were read before the answer"
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+        assert b"request_too_large" in answer and b"connection: close" in answer.lower()
+        r = httpx_post(base, {"prompt": "ab", "max_tokens": 2})
+        assert r.status_code == 200
+
+
+def httpx_post(base: str, body: dict, **kw):
+    import httpx
+
+    return httpx.post(base + "/v1/completions", json=body, timeout=30, **kw)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("functions", [{"name": "f"}]), ("tool_choice", "required"),
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_unsupported_openai_fields_are_refused_not_ignored(api, field, value, path):
+    client, _ = api
+    body = {"prompt": "ab"} if path == "/v1/completions" else \
+        {"messages": [{"role": "user", "content": "ab"}]}
+    err = _error(client.post(path, json={**body, field: value, "max_tokens": 2}), 400, field)
+    assert err["code"] == "unsupported_parameter" and "not supported yet" in err["message"]
+    assert "accepted:" in err["message"]
+
+
+@pytest.mark.parametrize("extra", [{"response_format": {"type": "text"}}, {"tools": []},
+                                   {"tools": None, "tool_choice": "none"},
+                                   {"tool_choice": "auto", "response_format": None}])
+def test_harmless_values_of_unsupported_fields_are_accepted(api, extra):
+    client, _ = api
+    r = client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "ab"}], "max_tokens": 2, **extra})
+    assert r.status_code == 200, r.text
+
+
+# -- who may call: API key, Host, CORS -----------------------------------------------------------
+def _basic(user: str, password: str) -> dict[str, str]:
+    import base64
+
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+
+
+def test_the_api_key_guards_every_path_but_a_minimal_health_the_ui_included():
+    from srsd_local.app.main import build_app
+
+    svc = Service(_public_engine, model_id="fake", api_key="k")
+    with TestClient(build_app(svc, ui_path="/ui")) as client:
+        assert svc.ready.wait(10)
+        assert client.get("/health").json() == {"status": "ok", "model": "fake"}
+        chat = {"data": ["the cat", [], "", "ar", 0.0, 4]}
+        for method, path, body in (("GET", "/metrics", None), ("GET", "/docs", None),
+                                   ("GET", "/openapi.json", None), ("GET", "/v1/models", None),
+                                   ("GET", "/ui/", None), ("GET", "/ui/config", None),
+                                   ("POST", "/ui/gradio_api/call/chat", chat),
+                                   ("POST", "/ui/gradio_api/queue/join", chat)):
+            for headers in ({}, {"Authorization": "Bearer nope"}, _basic("me", "nope")):
+                r = client.request(method, path, json=body, headers=headers)
+                err = _error(r, 401)
+                assert err["code"] == "invalid_api_key" and "Bearer KEY" in err["message"]
+                # a browser asks for the key itself where it may navigate (/ui, /docs)
+                scheme = "Bearer" if path.startswith("/v1/") else "Basic"
+                assert r.headers["WWW-Authenticate"].startswith(scheme), path
+        for auth in ({"Authorization": "Bearer k"}, _basic("anyone", "k")):
+            assert client.get("/metrics", headers=auth).status_code == 200
+            assert client.get("/openapi.json", headers=auth).json()["paths"]
+            assert "swagger" in client.get("/docs", headers=auth).text.lower()
+            assert "srsd-local" in client.get("/ui/", headers=auth).text
+            assert _ui_chat(client, chat, auth)[0][-1]["role"] == "assistant"
+        assert 'endpoint="other",status="401"' in svc.metrics.render().decode()
+
+
+def _ui_chat(client, chat: dict, headers: dict) -> list:
+    """The UI's chat through Gradio's queue (/call, as gradio_client does): its last output."""
+    import json
+
+    r = client.post("/ui/gradio_api/call/chat", json=chat, headers=headers)
+    assert r.status_code == 200, r.text
+    r = client.get(f"/ui/gradio_api/call/chat/{r.json()['event_id']}", headers=headers)
+    events = r.text.split("event: ")
+    assert events[-1].startswith("complete"), r.text[-500:]
+    return json.loads(events[-1].split("data: ", 1)[1])
+
+
+def test_the_ui_runs_every_event_through_the_queue_so_none_holds_the_engine():
+    # a direct /run call used to return the chat's first output and leave its generator, and
+    # the engine slot with it, suspended for good: every later request waited forever
+    from srsd_local.app.main import build_app
+
+    svc = Service(_public_engine, model_id="fake")
+    with TestClient(build_app(svc, ui_path="/ui")) as client:
+        assert svc.ready.wait(10)
+        chat = {"data": ["the cat", [], "", "ar", 0.0, 4]}
+        for route in ("run", "api"):
+            assert client.post(f"/ui/gradio_api/{route}/chat", json=chat).status_code == 404
+        for _ in range(2):
+            assert _ui_chat(client, chat, {})[0][-1]["role"] == "assistant"
+        assert client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}
+                           ).status_code == 200
+        assert not svc.slot.busy
+
+
+def test_key_matches_bearer_and_basic_password_only():
+    from srsd_local.app.guard import key_matches
+
+    assert key_matches("Bearer k", "k") and key_matches("bearer  k ", "k")
+    assert key_matches(_basic("", "k")["Authorization"], "k")
+    assert key_matches(_basic("u", "p:k")["Authorization"], "p:k")
+    assert not key_matches(_basic("k", "")["Authorization"], "k")
+    for bad in ("", "k", "Bearer", "Bearer kk", "Basic !!!", "Token k", "Basic " + "a" * 9):
+        assert not key_matches(bad, "k"), bad
+    assert key_matches("Bearer " + "ключ".encode().decode("latin-1"), "ключ")
+
+
+def test_allowed_hosts_follow_the_bound_address():
+    from srsd_local.app.guard import allowed_hosts, host_name
+
+    local = {"localhost", "127.0.0.1", "::1"}
+    assert allowed_hosts("127.0.0.1") == local
+    assert allowed_hosts("::1", ["My.Box"]) == local | {"my.box"}
+    assert allowed_hosts("192.168.1.5") == local | {"192.168.1.5"}
+    assert allowed_hosts("0.0.0.0") is None and allowed_hosts("::") is None  # any Host
+    assert allowed_hosts("0.0.0.0", ["box.lan"]) == local | {"box.lan", "0.0.0.0"}
+    assert [host_name(h) for h in ("LocalHost:8000", "[::1]:80", "[::1]", "a.b.", "x")] == \
+        ["localhost", "::1", "::1", "a.b", "x"]
+
+
+def test_host_header_must_name_the_server_and_cors_only_for_given_origins():
+    svc = Service(_public_engine, model_id="fake")
+    app = create_app(svc, allowed_hosts=allowed_for_test(), cors_origins=["http://ok.test"])
+    body = {"prompt": "the cat", "max_tokens": 2}
+    with TestClient(app, base_url="http://127.0.0.1:8000") as client:
+        assert svc.ready.wait(10)
+        for host in ("localhost:8000", "127.0.0.1", "[::1]:8000", "box.lan"):
+            r = client.post("/v1/completions", json=body, headers={"Host": host})
+            assert r.status_code == 200, (host, r.text)
+        for host in ("evil.test", "evil.test:8000", "127.0.0.1.evil.test", "localhost.evil"):
+            for path in ("/v1/completions", "/health"):
+                r = client.post(path, json=body, headers={"Host": host}) if path != "/health" \
+                    else client.get(path, headers={"Host": host})
+                err = _error(r, 400)
+                assert err["code"] == "host_not_allowed" and "--allowed-host" in err["message"]
+        pre = {"Origin": "http://ok.test", "Access-Control-Request-Method": "POST",
+               "Access-Control-Request-Headers": "content-type, authorization"}
+        r = client.options("/v1/completions", headers=pre)
+        assert r.status_code == 200
+        assert r.headers["access-control-allow-origin"] == "http://ok.test"
+        r = client.post("/v1/completions", json=body, headers={"Origin": "http://ok.test"})
+        assert r.headers["access-control-allow-origin"] == "http://ok.test"
+        r = client.options("/v1/completions", headers={**pre, "Origin": "http://evil.test"})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+        r = client.post("/v1/completions", json=body, headers={"Origin": "http://evil.test"})
+        assert "access-control-allow-origin" not in r.headers
+
+
+def allowed_for_test():
+    from srsd_local.app.guard import allowed_hosts
+
+    return allowed_hosts("127.0.0.1", ["box.lan"])
+
+
+def test_cli_serve_and_ui_take_the_http_options():
+    from srsd_local.cli import build_parser
+
+    for cmd in ("serve", "ui"):
+        a = build_parser().parse_args([cmd, "--allowed-host", "a.lan", "--allowed-host", "b",
+                                       "--cors-origin", "http://x", "--api-key", "k"])
+        assert (a.allowed_host, a.cors_origin, a.api_key) == (["a.lan", "b"], ["http://x"], "k")
+
+
+# -- startup: a bad model file fails fast, never echoing the file ---------------------------------
+SECRET = "TOP-SECRET-CONTENT"
+
+
+@pytest.mark.parametrize("kind", ["text", "directory", "short header", "version"])
+def test_a_bad_model_path_stops_serve_before_it_listens(tmp_path, capsys, kind):
+    import struct
+
+    from srsd_local.cli import main
+
+    path = tmp_path / "model.gguf"
+    if kind == "text":
+        path.write_text(SECRET + "\n" * 100)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "short header":
+        path.write_bytes(b"GGUF" + SECRET.encode()[:10])
+    elif kind == "version":
+        path.write_bytes(struct.pack("<4sIQQ", b"GGUF", 99, 1, 1) + SECRET.encode())
+    t0 = time.time()
+    assert main(["serve", "--model", str(path), "--port", "1"]) == 1  # port 1: never bound
+    err = capsys.readouterr().err
+    assert err.startswith("srsd-local: error: ") and str(path) in err, err
+    assert SECRET[:4] not in err and time.time() - t0 < 5
+    assert ("GGUF" in err) == (kind in ("text", "short header", "version"))
+    assert main(["ui", "--model", str(path), "--port", "1"]) == 1
+
+
+def test_a_missing_model_file_stops_the_server_with_status_1(tmp_path, capsys):
+    from srsd_local.cli import main
+
+    path = tmp_path / "nowhere.gguf"  # not a path yet: left to the loader, whose error stops
+    t0 = time.time()
+    assert main(["serve", "--no-ui", "--model", str(path), "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "could not be loaded" in err and str(path) in err and "not found" in err, err
+    assert time.time() - t0 < 30
+
+
+def test_a_model_that_fails_to_load_stops_the_server_with_status_1(capsys):
+    from srsd_local.app.main import serve
+    from srsd_local.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--no-ui", "--port", "0"])
+
+    def load():
+        time.sleep(0.3)  # after the server listens, as a real load fails
+        raise ValueError(f"llama.cpp could not load the model; first bytes b'{SECRET}'")
+
+    t0 = time.time()
+    with pytest.raises(RuntimeError, match="could not be loaded: llama.cpp could not") as exc:
+        serve(args, load)
+    assert SECRET not in str(exc.value) and time.time() - t0 < 5
+
+
+# -- an engine error is a 500 (a stream says it), and the engine starts clean after it ----------
+class FailingOnce(PublicOnly):
+    """The public engine, whose next generation fails at its second step (once)."""
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self.fail, self.resets = True, 0
+
+    def stream(self, *args, **kwargs):
+        for i, ev in enumerate(self._engine.stream(*args, **kwargs)):
+            if i == 1 and self.fail:
+                self.fail = False
+                raise RuntimeError("llama_decode failed")
+            yield ev
+
+    def reset(self) -> None:
+        self.resets += 1
+        self._engine.reset()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_error_is_a_500_and_the_engine_is_reset_for_the_next_request(stream):
+    import json
+
+    svc = Service(lambda: FailingOnce(_public_engine()._engine), model_id="fake")
+    with TestClient(create_app(svc), raise_server_exceptions=False) as client:
+        assert svc.ready.wait(10)
+        body = {"prompt": "the cat the", "max_tokens": 8, "temperature": 0, "stream": stream}
+        r = client.post("/v1/completions", json=body)
+        if stream:  # the error is the stream's last event: a clean end, not a cut
+            assert r.status_code == 200
+            last = json.loads([ln for ln in r.text.splitlines() if ln.startswith("data: ")
+                               ][-1][6:])
+            assert last["error"]["code"] == "internal_error" and "[DONE]" not in r.text
+        else:
+            err = _error(r, 500)
+            assert err["type"] == "server_error" and "RuntimeError" in err["message"]
+        r = client.post("/v1/completions", json={**body, "stream": False})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+        assert svc.engine.resets == 1

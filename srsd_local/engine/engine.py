@@ -4,9 +4,10 @@ or several requests at a time.
 Contract:
 - `Engine._generation` is the only generation loop (one request, a coroutine); it reads like
   the method: prefill, then emit -> propose -> verify -> walk -> commit (the numbered phases
-  in its body). `_iteration` is the scheduler step that decodes what every active request
-  needs in one forward pass. `stream()`, `generate()`, `generate_many()`, `submit()`,
-  `chat()`, the CLI, the server, the UI and the benchmark all consume its events.
+  in its body). A scheduler step (`_gather`, then `_run_pass`) decodes what every active
+  request needs in one forward pass; events are delivered between the two halves.
+  `stream()`, `generate()`, `generate_many()`, `submit()`, `chat()`, the CLI, the server,
+  the UI and the benchmark all consume its events.
 - Several requests (`parallel` slots) share each forward pass: every decoding request's tree
   or plain step, plus at most one chunk of a prompt being prefilled, so a long prompt never
   freezes the others; each request's controller plans against the cost of the whole batch.
@@ -289,12 +290,13 @@ class Engine:
             self._admit(job)
             try:
                 while True:
-                    self._iteration([job])
-                    yield from job.drain()
+                    step = self._gather([job])
+                    yield from job.drain()  # before the pass: no token waits for a decode
                     if job.error is not None:
                         raise job.error
                     if job.done:
                         return
+                    self._run_pass(step)
             finally:
                 self._retire(job)
 
@@ -326,7 +328,7 @@ class Engine:
                 while waiting or active:
                     while waiting and len(active) < len(self.slots):
                         active.append(self._admit(waiting.pop(0)))
-                    self._iteration(active)
+                    step = self._gather(active)
                     for j in active:
                         events[id(j)].extend(j.drain())
                         if j.error is not None:
@@ -334,6 +336,7 @@ class Engine:
                     for j in [j for j in active if j.done]:
                         active.remove(j)
                         self._retire(j)
+                    self._run_pass(step)
             finally:
                 for j in active:
                     self._retire(j)
@@ -373,16 +376,20 @@ class Engine:
         """Free the request's slot (its context stays for reuse); a generation that did not
         finish is closed, which removes whatever tree it had in the cache."""
         if job.gen is not None and not job.done:
-            job.gen.close()
+            job.gen.close()  # a forked tree is abandoned inside
             job.done = True
         if job.slot is not None:
-            job.slot.busy = False
+            slot = job.slot
+            # nothing past the committed context stays in the cache (a step decoded for a
+            # request that stopped before committing it)
+            self.backend.seq_trim(slot.base, slot.n_past)
+            slot.busy = False
 
-    def _iteration(self, jobs: list[_Job]) -> None:
-        """One scheduler step: every active request processes its last rows and says what it
-        needs next (at most one of them a prompt chunk when others decode); all of that is
-        decoded in one forward pass. A request that fails gets its exception; the others
-        continue."""
+    def _gather(self, jobs: list[_Job]) -> _Pass:
+        """The first half of a scheduler step: every active request processes the rows of
+        its last Work and says what it needs next (at most one of them a prompt chunk when
+        others decode). Its events are ready after this, before the pass runs. A request
+        that fails gets its exception; the others continue."""
         t0 = time.perf_counter()
         works: list[tuple[_Job, Work]] = []
         offset, gain, chunk_taken = 0, 0.0, False
@@ -412,6 +419,12 @@ class Engine:
             offset += len(work)
             gain += job.expected_tokens
             chunk_taken = chunk_taken or work.prefill
+        return _Pass(works, t0)
+
+    def _run_pass(self, step: _Pass) -> None:
+        """The second half: every Work of the step in one forward pass; the rows go back to
+        their requests (resumed by the next `_gather`)."""
+        works, t0 = step.works, step.t0
         if not works:
             return
         be = self.backend
@@ -520,8 +533,8 @@ class Engine:
                     active.append(self._admit(waiting.pop(0)))
                 if not active:
                     continue
-                self._iteration(active)
-                for j in active:
+                step = self._gather(active)
+                for j in active:  # events go out before the pass
                     for ev in j.drain():
                         j.queue.put(ev)
                     if j.done and j.error is not None:
@@ -529,6 +542,8 @@ class Engine:
                 for j in [j for j in active if j.done or j.cancelled]:
                     active.remove(j)
                     self._retire(j)
+                step.works = [(j, w) for j, w in step.works if not j.done]
+                self._run_pass(step)
 
     # -- the generation loop ----------------------------------------------------------------
     def _prefill(self, job: _Job) -> Generator[Work, None, tuple[np.ndarray, int]]:
@@ -691,6 +706,14 @@ class Engine:
 
     def chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> GenerationResult:
         return collect(self.chat_stream(messages, **kwargs))
+
+
+@dataclass
+class _Pass:
+    """One scheduler step's Works, and when the step began."""
+
+    works: list[tuple[_Job, Work]]
+    t0: float
 
 
 class _Job:
