@@ -137,6 +137,7 @@ def interference(engine: Any, victim: BenchPrompt, intruder: list[int], mode: st
     """The victim decodes; after its 16th token the intruder's prompt arrives (prefilled with
     `prefill_chunk=chunk`, 0: automatic). The victim's worst gap between events while the
     intruder's prompt is prefilled, and its median gap."""
+    engine.reset()  # no slot may hold the intruder's prompt from an earlier run
     engine.reconfigure(prefill_chunk=chunk)
     stamps: list[float] = []
     arrived = threading.Event()

@@ -229,11 +229,12 @@ class Engine:
     def reset(self) -> None:
         """Forget every slot's context (KV cache and index): the next call prefills from
         scratch. Not while requests are running."""
-        if any(s.busy for s in self.slots):
-            raise RuntimeError("reset() while requests are running")
-        self.backend.clear()
-        for slot in self.slots:
-            slot.forget()
+        with self._lock:  # the scheduler thread finishes its step (and frees slots) first
+            if any(s.busy for s in self.slots):
+                raise RuntimeError("reset() while requests are running")
+            self.backend.clear()
+            for slot in self.slots:
+                slot.forget()
 
     # -- requests ---------------------------------------------------------------------------
     def _check_prompt(self, prompt: str | Sequence[int]) -> list[int]:
@@ -291,7 +292,9 @@ class Engine:
             try:
                 while True:
                     step = self._gather([job])
+                    t_out = time.perf_counter()
                     yield from job.drain()  # before the pass: no token waits for a decode
+                    job.outside += time.perf_counter() - t_out  # the caller's time
                     if job.error is not None:
                         raise job.error
                     if job.done:
@@ -404,7 +407,8 @@ class Engine:
             job.batch_offset, job.batch_gain = offset, gain
             job.may_prefill_all = decoding == 0 or (decoding == 1 and job.decoding)
             job.may_prefill = not chunk_taken
-            job.chunk = self._chunk_size(offset)
+            if not job.decoding:
+                job.chunk = self._chunk_size(offset)
             try:
                 work = next(job.gen)
             except StopIteration:
@@ -469,9 +473,9 @@ class Engine:
             tokens, positions, seq_ids, flags = w.tokens, w.positions, w.seq_ids, w.flags
         else:
             tokens = np.concatenate([np.asarray(w.tokens, dtype=np.int32) for w in works])
-            positions = np.concatenate([w.positions for w in works])
+            positions = np.concatenate([np.asarray(w.positions, np.int32) for w in works])
             seq_ids = [ids for w in works for ids in w.seq_ids]
-            flags = np.concatenate([w.flags for w in works])
+            flags = np.concatenate([np.asarray(w.flags, np.int8) for w in works])
         self._set_capture(any(w.capture or w.prefill for w in works))
         out = self.backend.decode(tokens, positions=positions, seq_ids=seq_ids,
                                   want_logits=flags)
@@ -641,7 +645,7 @@ class Engine:
 
             # 3. propose: a tree rooted at x that pays for itself, or None (plain step)
             n = slot.n_past
-            ta = time.perf_counter()
+            ta, out0 = time.perf_counter(), job.outside
             room = 0 if self.plain_only else self.speculator.room(req, slot.n_ctx - n - 2)
             plan = self.speculator.propose(
                 req, DraftInput(slot.ctx[:n], x, slot.last_hidden,
@@ -652,8 +656,7 @@ class Engine:
 
             # 4. verify in the shared forward pass and walk the tree
             if plan is None:
-                w = Work([x], np.array([n], np.int32), [[slot.base]], np.ones(1, np.int8),
-                         req.uses_index)
+                w = Work([x], [n], [[slot.base]], [1], req.uses_index)  # no arrays: hot path
                 yield w
                 path, y, path_tokens = [0], sampler(w.logits[0]), [x]
                 be_rows = w.logits
@@ -685,7 +688,7 @@ class Engine:
             self.speculator.observe(req, plan, path)
             td = time.perf_counter()
             times = dict(draft=tb - ta, verify=tc - tb, index=td - tc,
-                         host=(td - ta) - w.decode_seconds)
+                         host=(td - ta) - w.decode_seconds - (job.outside - out0))
             if plan is None:
                 stats.observe_step(1, 0, **times)
             else:  # the forecast (if the controller made one) covers the drafted nodes
@@ -737,6 +740,7 @@ class _Job:
         self.may_prefill = self.may_prefill_all = True
         self.chunk = CHUNK_MAX  # prompt tokens this request may prefill in the next pass
         self.expected_tokens = 1.0  # what this request's Work is expected to emit
+        self.outside = 0.0  # seconds its caller spent on its events (not engine overhead)
 
     def emit(self, event: StreamEvent) -> None:
         self.events.append(event)

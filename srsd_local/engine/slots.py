@@ -76,9 +76,9 @@ class Work:
     `decode_seconds` (the whole pass)."""
 
     tokens: Sequence[int]
-    positions: np.ndarray
+    positions: Sequence[int]  # an int32 array, or a list for a plain step
     seq_ids: list[list[int]]
-    flags: np.ndarray  # int8 per token: want its logits
+    flags: Sequence[int]  # per token: want its logits (int8 array or list)
     capture: bool  # the request needs hidden rows
     prefill: bool = False  # a prompt chunk (not a decoding step)
     logits: np.ndarray | None = None

@@ -54,7 +54,7 @@ class CostModel:
         most what a confirmed bigger batch cost; t is monotone in n. Scaled by how fast the
         machine runs plain steps now."""
         if not shape_changed:
-            self.seconds = self.scale * self._shape
+            self._seconds = None  # scaled again when next read
             return
         t1 = self.raw[0]
         t = np.clip(self.raw, t1, t1 * self.sizes)
@@ -66,7 +66,15 @@ class CostModel:
             else:
                 t[k] = min(t[k], cap)
         self._shape = np.maximum.accumulate(t)
-        self.seconds = self.scale * self._shape
+        self._t1 = float(self._shape[0])
+        self._seconds = None
+
+    @property
+    def seconds(self) -> np.ndarray:
+        """The current estimate of t(n) at the profile's sizes (shape x scale)."""
+        if self._seconds is None:
+            self._seconds = self.scale * self._shape
+        return self._seconds
 
     def _base(self, n: np.ndarray, seconds: np.ndarray | None = None) -> np.ndarray:
         sec = self.seconds if seconds is None else seconds
@@ -111,8 +119,8 @@ class CostModel:
             seconds -= self.per_kv * n * max(0, ctx - self.ctx0)
         seconds = max(seconds, 1e-6)
         if n == 1:
-            target = seconds / self.raw[0]
-            if seconds < 0.5 * self.seconds[0]:
+            target = seconds / float(self.raw[0])
+            if seconds < 0.5 * self.scale * self._t1:  # plain Python: runs every step
                 self.scale = target
                 self.surprises += 1
             else:
