@@ -323,3 +323,36 @@ def test_a_stream_closed_early_leaves_the_context_usable(mode):
         g.close()
         assert len(eng.backend.seqs[0]) == eng.slots[0].n_past  # nothing left past it
         assert eng.generate(PROMPT, max_tokens=20, mode=mode).token_ids == want
+
+
+def test_a_prompt_another_slot_holds_is_copied_not_prefilled():
+    eng = Engine(FakeBackend(n_ctx=1024, step_cost=lambda n: 0.002),
+                 SRSDConfig(index_backend="numpy", n_ctx=512, parallel=2))
+    be = eng.backend
+    sizes = []
+    real = be.decode
+
+    def spy(tokens, positions=None, seq_ids=None, want_logits="last"):
+        sizes.append(len(tokens))
+        return real(tokens, positions, seq_ids, want_logits)
+
+    be.decode = spy
+    longer = PROMPT + " and the lazy cat"
+    try:
+        busy = eng.submit(prompt=PROMPT, max_tokens=150, mode="ar")  # slot A holds PROMPT
+        first = next(busy)
+        n_before = len(sizes)
+        out = [t for ev in eng.submit(prompt=longer, max_tokens=20, mode="srsd")
+               for t in ev.token_ids]
+        rest = [t for ev in busy for t in ev.token_ids]
+    finally:
+        eng.close()
+    alone = make_engine()
+    assert out == alone.generate(longer, max_tokens=20, mode="srsd").token_ids
+    assert first.token_ids + rest == alone.generate(PROMPT, max_tokens=150,
+                                                    mode="ar").token_ids
+    # only the new tail of the longer prompt went through the model (next to A's steps)
+    extra = len(be.tokenize(longer)) - len(be.tokenize(PROMPT))
+    assert max(sizes[n_before:]) <= extra + 1 + 32  # tail (+ A's token), never the prompt
+    assert len(be.tokenize(PROMPT)) not in sizes[n_before:]
+    assert eng.slots[1].n_past > len(be.tokenize(PROMPT))
