@@ -5,8 +5,8 @@ uvicorn run until SIGTERM/SIGINT or a failed model load, and a graceful shutdown
   stops `serve`/`ui` before they listen, with a message that names the path and never shows
   the file's contents. A model that passes that check but fails to load (a truncated file)
   stops the server as soon as the load fails: the message on stderr, exit status 1.
-- SIGTERM: the listening socket closes, queued requests get 503, the running generation
-  stops at its next step (a stream ends with an error event), and the process exits within
+- SIGTERM: the listening socket closes, queued requests get 503, the running generations
+  stop at their next step (a stream ends with an error event), and the process exits within
   seconds (uvicorn's graceful timeout cuts anything left after GRACEFUL_S).
 """
 

@@ -42,14 +42,19 @@ def _run(service: Service, args: argparse.Namespace, ui_path: str | None,
     return run_server(app, service, args.host, args.port)
 
 
-def serve(args: argparse.Namespace, load: Callable[[], Any]) -> int:
-    """`srsd-local serve` (load: builds the Engine, in the background)."""
+def serve(args: argparse.Namespace, load: Callable[[], Any],
+          load_model: Callable[[Any], Any] | None = None) -> int:
+    """`srsd-local serve` (load: builds the Engine, in the background; load_model(path):
+    builds the Engine of another model a request names, None: no switching)."""
     service = Service(load, model_id=args.alias, api_key=args.api_key, mode=args.mode,
-                      max_queue=args.max_queue)
+                      max_queue=args.max_queue, load_model=load_model,
+                      max_models=getattr(args, "max_models", 1))
     return _run(service, args, None if args.no_ui else "/ui")
 
 
-def run_ui(args: argparse.Namespace, load: Callable[[], Any]) -> int:
+def run_ui(args: argparse.Namespace, load: Callable[[], Any],
+           load_model: Callable[[Any], Any] | None = None) -> int:
     """`srsd-local ui`: the UI at / (the API endpoints come along)."""
-    service = Service(load, api_key=getattr(args, "api_key", None))
+    service = Service(load, api_key=getattr(args, "api_key", None), load_model=load_model,
+                      max_models=getattr(args, "max_models", 1))
     return _run(service, args, "/", banner=f"srsd-local UI on http://{args.host}:{args.port}/")

@@ -10,7 +10,7 @@ the field (dotted for nested objects: "srsd.mode") and whose message says what i
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -21,6 +21,7 @@ from .service import GenRequest
 Mode = Literal[MODES]  # type: ignore[valid-type]  # the modes of config.MODES
 Role = Literal["system", "user", "assistant", "developer"]
 FinishReason = Literal["stop", "length"]
+MAX_LOGPROBS = 20  # the engine's most alternatives per token
 
 # what each field accepts, for the error messages and the field descriptions
 ACCEPTED = {
@@ -49,6 +50,15 @@ ACCEPTED = {
     "function_call": "\"none\" or \"auto\" (function calling is not supported yet)",
     "response_format": "{\"type\": \"text\"} (JSON mode and structured outputs are not "
                        "supported yet)",
+    "logprobs": f"an integer 0..{MAX_LOGPROBS} (OpenAI allows 0..5; up to {MAX_LOGPROBS} "
+                "here): the most likely alternatives to report with each token, or null (off)",
+    "top_logprobs": f"an integer 0..{MAX_LOGPROBS}, with \"logprobs\": true: the most likely "
+                    "alternatives to report with each token",
+}
+# where chat completions accept something else under the same name
+ACCEPTED_CHAT = {
+    "logprobs": "true or false: report each token's log-probability (and, with "
+                "top_logprobs, the most likely alternatives)",
 }
 # fields OpenAI defines that this server cannot honour yet: refused, not silently ignored
 # (field -> whether a value is acceptable)
@@ -61,8 +71,14 @@ UNSUPPORTED = {
 }
 
 
-def _doc(name: str, text: str) -> str:
-    return f"{text} Accepted: {ACCEPTED[name]}."
+def _doc(name: str, text: str, chat: bool = False) -> str:
+    return f"{text} Accepted: {(ACCEPTED_CHAT if chat else ACCEPTED)[name]}."
+
+
+def accepted(model: type[BaseModel], param: str) -> str:
+    """What `param` of the body `model` accepts, for error messages."""
+    extra: dict[str, str] = getattr(model, "ACCEPTED_HERE", {})
+    return extra.get(param) or ACCEPTED.get(param, "see /docs")
 
 
 class _Open(BaseModel):
@@ -126,7 +142,7 @@ class _Generation(_Open):
                                code="unsupported_parameter")
 
     def _gen_request(self, kind: str, prompt: str | list[int] | None,
-                     messages: list[dict] | None) -> GenRequest:
+                     messages: list[dict] | None, logprobs: int | None) -> GenRequest:
         self._refuse_unsupported()
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
@@ -143,7 +159,7 @@ class _Generation(_Open):
             else list(self.stop),
             stream=bool(self.stream),
             include_usage=bool(so is not None and so.include_usage),
-            mode=ext.mode if ext is not None else None, model=self.model)
+            mode=ext.mode if ext is not None else None, model=self.model, logprobs=logprobs)
 
 
 class CompletionRequest(_Generation):
@@ -151,6 +167,10 @@ class CompletionRequest(_Generation):
 
     prompt: str | OneString | TokenIds = Field(description=_doc(
         "prompt", "The text to continue, or its token ids (BOS included)."))
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=_doc(
+        "logprobs", "Report each token's log-probability and this many most likely "
+        "alternatives (`choices[].logprobs`: tokens, token_logprobs, top_logprobs, "
+        "text_offset); the sampled token is always among top_logprobs."))
 
     @field_validator("prompt")
     @classmethod
@@ -158,7 +178,7 @@ class CompletionRequest(_Generation):
         return v[0] if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str) else v
 
     def to_gen_request(self) -> GenRequest:
-        return self._gen_request("completion", self.prompt, None)
+        return self._gen_request("completion", self.prompt, None, self.logprobs)
 
 
 class TextPart(_Open):
@@ -174,12 +194,24 @@ class ChatMessage(_Open):
 class ChatCompletionRequest(_Generation):
     """POST /v1/chat/completions (the model's chat template renders the messages)."""
 
+    ACCEPTED_HERE: ClassVar[dict[str, str]] = ACCEPTED_CHAT
+
     messages: list[ChatMessage] = Field(min_length=1, description=_doc(
         "messages", "The conversation so far."))
+    logprobs: bool | None = Field(False, description=_doc(
+        "logprobs", "Report each content token's log-probability (`choices[].logprobs."
+        "content`).", chat=True))
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=_doc(
+        "top_logprobs", "The most likely alternatives to report with each token."))
 
     def to_gen_request(self) -> GenRequest:
         msgs = [m.model_dump(exclude_unset=True) for m in self.messages]
-        return self._gen_request("chat", None, msgs)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, f"'top_logprobs' {self.top_logprobs} needs \"logprobs\": true; "
+                           f"accepted: {ACCEPTED['top_logprobs']}", param="top_logprobs",
+                           code="invalid_value")
+        n = (self.top_logprobs or 0) if self.logprobs else None
+        return self._gen_request("chat", None, msgs, n)
 
 
 # -- responses ------------------------------------------------------------------------------------
@@ -219,10 +251,21 @@ class Timings(BaseModel):
                    mean_accepted_length=stats.mean_accepted_length, mode=stats.mode)
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy shape: per token its text, log-probability, the most likely
+    alternatives ({text: logprob}, the sampled token included) and its character offset
+    in the prompt followed by the completion."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None
 
 
@@ -239,6 +282,21 @@ class Completion(BaseModel):
     timings: Timings | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = Field(description="the token's text as UTF-8 bytes")
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(description="the most likely tokens at this "
+                                           "position, most likely first")
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -247,7 +305,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None
 
 
@@ -269,7 +327,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None
 
 
@@ -286,10 +344,12 @@ class ChatCompletionChunk(BaseModel):
 
 
 class ModelCard(BaseModel):
-    id: str
+    id: str = Field(description="what a request's `model` names; a model not loaded yet is "
+                    "loaded by the first request that names it")
     object: Literal["model"] = "model"
     created: int = 0
     owned_by: str = "srsd-local"
+    loaded: bool = Field(True, description="resident now (extension)")
 
 
 class ModelList(BaseModel):
@@ -366,15 +426,15 @@ def validation_error(errors: list[dict[str, Any]], model: type[BaseModel]) -> AP
     if param is None:
         return APIError(400, "the request body must be a JSON object with the fields of "
                         f"{model.__name__} (see /docs)")
-    accepted = ACCEPTED.get(param, "see /docs")
+    accepted_ = accepted(model, param)
     where = _where(loc) or param
     if err.get("type") == "missing":
-        return APIError(400, f"'{where}' is required; accepted: {accepted}", param=param,
+        return APIError(400, f"'{where}' is required; accepted: {accepted_}", param=param,
                         code="invalid_value")
     shown = json.dumps(err.get("input"), default=str)
     shown = shown if len(shown) <= 80 else shown[:77] + "..."
     why = f" ({err.get('msg')})" if where != param else ""
-    return APIError(400, f"invalid '{where}': {shown}{why}; accepted: {accepted}", param=param,
+    return APIError(400, f"invalid '{where}': {shown}{why}; accepted: {accepted_}", param=param,
                     code="invalid_value")
 
 

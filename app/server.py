@@ -12,6 +12,10 @@
   between steps; streaming: sse-starlette cancels the response task).
 - An error after a stream started (shutdown, an engine error) is its last event, in
   OpenAI's error shape, and the stream ends cleanly.
+- Log-probabilities come in OpenAI's shapes (`chat_logprobs`, `completion_logprobs`), from
+  the engine's own (`logprobs=` of `Engine.submit`); a streamed chunk carries its tokens'.
+- GET /v1/models lists the loaded models and the others found on the machine; `model` in a
+  response is the model that served it (app/service.py loads a model a request names).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Collection
@@ -40,18 +45,22 @@ from .schemas import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatDelta,
+    ChatLogprobs,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     ErrorResponse,
     Health,
     ModelCard,
     ModelList,
     Timings,
+    TokenLogprob,
+    TopLogprob,
     Usage,
     validation_error,
 )
-from .service import LOAD_FAILED, GenRequest, Service, never_disconnected
+from .service import LOAD_FAILED, GenRequest, Served, Service, never_disconnected
 
 GENERATION_PATHS = {"/v1/completions": CompletionRequest,
                     "/v1/chat/completions": ChatCompletionRequest}
@@ -65,7 +74,50 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (404, "unknown model"), (413, "request body over 8 MiB"),
         (415, "the body is not sent as application/json"),
         (429, "queue full: retry after the Retry-After header's seconds"),
-        (503, "model loading, or the server shutting down"))}
+        (503, "model loading, a model that failed to load, or the server shutting down"))}
+LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token the model gives no chance at all
+
+
+def _lp(x: float) -> float:
+    return x if math.isfinite(x) and x >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def chat_logprobs(engine: Any, lps: list[Any] | None) -> ChatLogprobs | None:
+    """OpenAI's chat `logprobs` of the engine's TokenLogprobs (None: not asked for)."""
+    if lps is None:
+        return None
+
+    def top(tok: int, lp: float) -> TopLogprob:
+        text = engine.token_text(tok)
+        return TopLogprob(token=text, logprob=_lp(lp), bytes=list(text.encode("utf-8")))
+
+    content = []
+    for t in lps:
+        head = top(t.token, t.logprob)
+        content.append(TokenLogprob(**head.model_dump(),
+                                    top_logprobs=[top(i, lp) for i, lp in t.top]))
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(engine: Any, lps: list[Any] | None, offset: int
+                        ) -> tuple[CompletionLogprobs | None, int]:
+    """OpenAI's legacy completion `logprobs` of the engine's TokenLogprobs, the first token
+    at character `offset`; and the offset after the last token."""
+    if lps is None:
+        return None, offset
+    out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    for t in lps:
+        text = engine.token_text(t.token)
+        out.tokens.append(text)
+        out.token_logprobs.append(_lp(t.logprob))
+        alts: dict[str, float] = {}
+        for i, lp in t.top:  # most likely first: of two tokens with one text, the likelier
+            alts.setdefault(engine.token_text(i), _lp(lp))
+        alts.setdefault(text, _lp(t.logprob))  # the sampled token is always there (OpenAI)
+        out.top_logprobs.append(alts)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out, offset
 
 
 def create_app(service: Service, allowed_hosts: Collection[str] | None = None,
@@ -151,7 +203,7 @@ def create_app(service: Service, allowed_hosts: Collection[str] | None = None,
             return JSONResponse({"status": "error", "error": LOAD_FAILED}, 503)
         if service.engine is None:
             return JSONResponse({"status": "loading model"}, 503)
-        return Health(status="ok", model=service.model_id)
+        return Health(status="ok", model=service.model_id)  # the current model
 
     @app.get("/metrics", response_class=Response, responses={200: {
         "content": {"text/plain": {}}, "description": "Prometheus text format"}})
@@ -162,8 +214,9 @@ def create_app(service: Service, allowed_hosts: Collection[str] | None = None,
              responses={k: v for k, v in _ERRORS.items() if k in (401, 503)})
     async def models() -> ModelList:
         service.check_ready()
+        found = await service.models()
         count.labels("/v1/models", "200").inc()
-        return ModelList(data=[ModelCard(id=service.model_id)])
+        return ModelList(data=[ModelCard(id=m.id, loaded=m.loaded) for m in found])
 
     async def handle(request: Request, req: GenRequest) -> Any:
         endpoint = request.url.path
@@ -171,54 +224,75 @@ def create_app(service: Service, allowed_hosts: Collection[str] | None = None,
         chat = req.kind == "chat"
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
-        model = service.model_id
+        served = Served()  # the model that serves it, known before the first event
+        want_lps = req.logprobs is not None
+
+        def prompt_chars() -> int:
+            """Where the completion's text_offset starts: after the prompt's text."""
+            if isinstance(req.prompt, str):
+                return len(req.prompt)
+            return sum(len(served.engine.token_text(t)) for t in req.prompt or [])
 
         if not req.stream:
-            text, finish, stats = [], None, None
-            async for ev in service.events(req, request.is_disconnected):
+            text, finish, stats, lps = [], None, None, []
+            async for ev in service.events(req, request.is_disconnected, served):
                 text.append(ev.text)
+                lps.extend(ev.logprobs or [])
                 finish, stats = ev.finish_reason, ev.stats or stats
             if stats is None:  # the client went away
                 count.labels(endpoint, "499").inc()
                 return Response(status_code=499)
             content = "".join(text)
             count.labels(endpoint, "200").inc()
+            model = served.model_id or ""
             if chat:
                 return ChatCompletion(
                     id=rid, created=created, model=model, usage=Usage.of(stats),
                     timings=Timings.of(stats), choices=[ChatChoice(
-                        message=AssistantMessage(content=content), finish_reason=finish)])
+                        message=AssistantMessage(content=content), finish_reason=finish,
+                        logprobs=chat_logprobs(served.engine, lps if want_lps else None))])
+            clp, _ = completion_logprobs(served.engine, lps if want_lps else None,
+                                         prompt_chars() if want_lps else 0)
             return Completion(id=rid, created=created, model=model, usage=Usage.of(stats),
                               timings=Timings.of(stats),
-                              choices=[CompletionChoice(text=content, finish_reason=finish)])
+                              choices=[CompletionChoice(text=content, finish_reason=finish,
+                                                        logprobs=clp)])
 
-        head = dict(id=rid, created=created, model=model)
+        offset = 0  # the next token's text_offset (completions with logprobs)
 
-        def chunk(delta_text: str | None, finish: str | None, first: bool = False) -> str:
+        def chunk(delta_text: str | None, finish: str | None, first: bool = False,
+                  lps: list[Any] | None = None) -> str:
+            nonlocal offset
+            head = dict(id=rid, created=created, model=served.model_id or "")
             if chat:
                 delta = ChatDelta(role="assistant") if first else ChatDelta()
                 if delta_text is not None:
                     delta.content = delta_text
                 c: Any = ChatCompletionChunk(object="chat.completion.chunk", **head, choices=[
-                    ChatChunkChoice(index=0, delta=delta, logprobs=None, finish_reason=finish)])
+                    ChatChunkChoice(index=0, delta=delta, finish_reason=finish,
+                                    logprobs=chat_logprobs(served.engine, lps))])
             else:
+                clp, offset = completion_logprobs(served.engine, lps, offset)
                 c = Completion(object="text_completion", **head, choices=[CompletionChoice(
-                    index=0, text=delta_text or "", logprobs=None, finish_reason=finish)])
+                    index=0, text=delta_text or "", logprobs=clp, finish_reason=finish)])
             return c.model_dump_json(exclude_unset=True)
 
         def usage_chunk(stats: Any) -> str:
             cls = ChatCompletionChunk if chat else Completion
+            head = dict(id=rid, created=created, model=served.model_id or "")
             return cls(object=cls.model_fields["object"].default, **head, choices=[],
                        usage=Usage.of(stats), timings=Timings.of(stats)
                        ).model_dump_json(exclude_unset=True)
 
         # errors found before the first event are still plain JSON errors; once streaming,
         # a client that goes away cancels this task (sse-starlette watches the connection)
-        agen = service.events(req, never_disconnected)
+        agen = service.events(req, never_disconnected, served)
         try:
             first_ev = await agen.__anext__()
         except StopAsyncIteration:
             return Response(status_code=499)
+        if want_lps and not chat:
+            offset = prompt_chars()
 
         async def sse() -> AsyncIterator[str]:
             status = "499"  # unless it ends, or ends with an error
@@ -227,8 +301,9 @@ def create_app(service: Service, allowed_hosts: Collection[str] | None = None,
                     yield chunk("", None, first=True)
                 ev = first_ev
                 while True:
-                    if ev.text:
-                        yield chunk(ev.text, None)
+                    lps = ev.logprobs if want_lps else None
+                    if ev.text or lps:  # each chunk carries the logprobs of its tokens
+                        yield chunk(ev.text, None, lps=lps)
                     if ev.finish_reason is not None:
                         yield chunk(None if chat else "", ev.finish_reason)
                         if req.include_usage:

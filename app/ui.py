@@ -1,10 +1,12 @@
 """Gradio chat and editor UI over the Service of app/service.py (the same queue and engine as
 the HTTP API; app/main.py mounts it).
 
-Tabs: Chat (streaming, history, system prompt, drafted tokens highlighted), Editor (an
-instruction applied to code or text by a few-shot prompt, streamed, then a diff; "compare"
-runs plain decoding and SRSD on the same input side by side) and Stats (accepted per depth,
-tokens per step).
+Above the tabs: the model's status and a model picker (the models of GET /v1/models;
+choosing one loads it, queued like a generation, and makes it the current model for the UI
+and for API requests that name no model). Tabs: Chat (streaming, history, system prompt,
+drafted tokens highlighted), Editor (an instruction applied to code or text by a few-shot
+prompt, streamed, then a diff; "compare" runs plain decoding and SRSD on the same input side
+by side) and Stats (accepted per depth, tokens per step).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from ..config import MODES
 from .errors import APIError
-from .service import GenRequest, Service, never_disconnected
+from .service import GenRequest, Served, Service, never_disconnected
 
 DRAFT_LABEL = "from an accepted draft"
 CSS = ".srsd-stats {font-family: monospace}"
@@ -141,11 +143,39 @@ class UIState:
         if s.engine is None:
             return "Loading model…"
         eng = s.engine
-        return (f"**Model:** {s.model_id} · {eng.n_ctx} tokens of context · "
-                f"GPU layers {eng.config.n_gpu_layers} · index {eng.index_backend}")
+        line = (f"**Model:** {s.model_id} · {eng.n_ctx} tokens of context · "
+                f"{eng.parallel} at a time · GPU layers {eng.config.n_gpu_layers} · "
+                f"index {eng.index_backend}")
+        loading = s.loading_model
+        return line + (f" · **loading {loading}…**" if loading else "")
 
-    def piece(self, tok: int) -> str:
-        return self.service.engine.token_text(tok)
+    def piece(self, tok: int, engine: Any = None) -> str:
+        return (engine or self.service.engine).token_text(tok)
+
+    async def model_choices(self) -> tuple[list[str], str | None]:
+        """The picker's choices (the models of GET /v1/models) and the current model."""
+        if self.service.engine is None:
+            return [], None
+        return [m.id for m in await self.service.models()], self.service.model_id
+
+    async def switch(self, name: str) -> AsyncIterator[str]:
+        """Load (if needed) and select model `name`: status lines as it goes."""
+        import gradio as gr  # noqa: PLC0415
+
+        if not name:
+            raise gr.Error("Pick a model first.")
+        if name == self.service.model_id:
+            yield self.status()
+            return
+        yield f"**Loading {name}…** (after the running generations; a first load may " \
+              "calibrate the model first)"
+        t0 = time.perf_counter()
+        try:
+            model_id = await self.service.use_model(name)
+        except APIError as exc:
+            raise gr.Error(exc.message) from exc
+        yield f"**Loaded {model_id}** in {time.perf_counter() - t0:.1f} s · " + \
+            self.status().split(" · ", 1)[1]
 
     async def run(self, req: GenRequest) -> AsyncIterator[tuple[str, list, Any]]:
         """(text so far, highlighted pieces, final stats or None) as the generation goes."""
@@ -154,11 +184,13 @@ class UIState:
         if self.service.engine is None:
             raise gr.Error(self.status().replace("**", ""))
         text, pieces = "", []
+        served = Served()
         try:
-            async for ev in self.service.events(req, never_disconnected):
+            async for ev in self.service.events(req, never_disconnected, served):
                 text += ev.text
                 for tok, drafted in zip(ev.token_ids, ev.drafted):
-                    pieces.append((self.piece(tok), DRAFT_LABEL if drafted else None))
+                    pieces.append((self.piece(tok, served.engine),
+                                   DRAFT_LABEL if drafted else None))
                 yield text, pieces, ev.stats
         except APIError as exc:
             raise gr.Error(exc.message) from exc
@@ -186,9 +218,28 @@ def build_ui(service: Service):
     with gr.Blocks(title="srsd-local") as demo:
         gr.Markdown("# srsd-local\nFaster local generation with semantic retrieval "
                     "speculative decoding: same tokens, fewer forward passes.")
-        status = gr.Markdown(st.status(), elem_id="status")
+        with gr.Row():
+            status = gr.Markdown(st.status(), elem_id="status")
+            # custom values: the choices come with the page; the service checks the name
+            model_pick = gr.Dropdown([], value=None, label="Model", elem_id="model-picker",
+                                     info="choosing one loads it", interactive=True,
+                                     allow_custom_value=True)
         timer = gr.Timer(1.0)
         timer.tick(st.status, None, status)
+
+        async def refresh_models():
+            choices, current = await st.model_choices()
+            return gr.update(choices=choices, value=current)
+
+        async def switch_model(name):
+            async for line in st.switch(name):
+                yield line
+
+        demo.load(refresh_models, None, model_pick, api_name="models")
+        # .input: only the user's choice loads a model, not the refresh setting the value
+        model_pick.input(switch_model, model_pick, status, api_name="switch_model",
+                         concurrency_limit=1).then(refresh_models, None, model_pick,
+                                                   api_name=False)
 
         with gr.Tab("Chat", id="chat"):
             chatbot = gr.Chatbot(label="Chat", height=380, elem_id="chatbot")

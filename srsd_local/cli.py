@@ -57,6 +57,13 @@ def _add_http_args(p: argparse.ArgumentParser, port: int) -> None:
                         "the API (CORS; repeatable)")
 
 
+def _add_max_models_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-models", type=int, default=1, metavar="N",
+                   help="models kept loaded at once (default 1): a request (or the UI's "
+                        "picker) naming another model of GET /v1/models loads it, the least "
+                        "recently used one is unloaded beyond N")
+
+
 def _calibrate(args: argparse.Namespace) -> bool:
     return not getattr(args, "no_calibrate", False)
 
@@ -181,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--alias", default=None, help="model id to report (default: file name)")
     s.add_argument("--max-queue", type=int, default=16,
                    help="requests that may wait for the engine before 429")
+    _add_max_models_arg(s)
     s.add_argument("--no-ui", action="store_true", help="do not mount the UI under /ui")
     s.set_defaults(func=_cmd_serve)
 
@@ -220,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(u)
     _add_http_args(u, port=7860)
     _add_parallel_args(u)
+    _add_max_models_arg(u)
     u.set_defaults(func=_cmd_ui)
 
     m = sub.add_parser("models", help="list the GGUF models on this machine (the default "
@@ -361,7 +370,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_ui(args: argparse.Namespace) -> int:
     from .app.main import run_ui  # noqa: PLC0415
 
-    return run_ui(args, _loader(args))
+    return run_ui(args, _loader(args), _model_loader(args))
 
 
 def _loader(args: argparse.Namespace):
@@ -372,10 +381,19 @@ def _loader(args: argparse.Namespace):
     return lambda: Engine.load(args.model, calibrate=calibrate, **cfg)
 
 
+def _model_loader(args: argparse.Namespace):
+    """serve/ui: loads another model (a path the server resolved) with the same settings."""
+    from .engine import Engine  # noqa: PLC0415
+
+    cfg = _engine_config(args)
+    calibrate = _calibrate(args)
+    return lambda path: Engine.load(path, calibrate=calibrate, **cfg)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from .app.main import serve  # noqa: PLC0415
 
-    return serve(args, _loader(args))
+    return serve(args, _loader(args), _model_loader(args))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -85,6 +85,17 @@ def start_cli_server(args: list[str], timeout: float = 240):
     raise RuntimeError("server did not become healthy")
 
 
+@pytest.fixture(scope="session")
+def second_model_dir(model_path, tmp_path_factory):
+    """A models folder (for SRSD_MODELS_DIR) holding a copy of the default GGUF under another
+    file name: a second model to switch to (the same weights, so the same outputs). A copy,
+    not a link: the model list counts a link to a listed file as that file."""
+    folder = tmp_path_factory.mktemp("models")
+    shutil.copyfile(model_path, folder / f"{SECOND_MODEL}.gguf")
+    return folder
+
+
+SECOND_MODEL = "second-copy"
 API_KEY = "test-key"
 
 

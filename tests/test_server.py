@@ -9,8 +9,7 @@ import time
 
 import httpx
 import pytest
-from conftest import API_KEY, start_cli_server
-from text_data import assert_same_up_to_ties
+from conftest import API_KEY, SECOND_MODEL, start_cli_server
 
 pytestmark = pytest.mark.model
 
@@ -44,8 +43,13 @@ def _metrics(server) -> dict[str, float]:
 
 def test_health_and_models(server, client):
     assert httpx.get(server["base"] + "/health").json()["status"] == "ok"
-    ids = [m.id for m in client.models.list().data]
-    assert ids == ["gemma-test"]
+    models = client.models.list().data
+    ids = [m.id for m in models]
+    # the loaded model under its alias, first; the same file is not listed again (as
+    # "default"); any other model found on this machine follows, not loaded
+    assert ids[0] == "gemma-test" and ids.count("gemma-test") == 1 and "default" not in ids
+    assert models[0].model_extra["loaded"] is True
+    assert not any(m.model_extra["loaded"] for m in models[1:])
 
 
 def test_openapi_documents_the_request_bodies(server):
@@ -75,14 +79,43 @@ def test_completion_matches_engine_and_usage_matches_tokenizer(client, engine):
     assert t["draft_n"] >= t["draft_n_accepted"] >= 0 and t["mean_accepted_length"] >= 1
 
 
-def test_speculative_completion_equals_engine_up_to_ties(client, engine):
+def _verified(engine, prompt: str, text: str) -> None:
+    """`text`, a greedy output of `prompt` from the server, is plain decoding's at every
+    position up to the rounding noise measured in the same check (`verify_output`)."""
+    ids = engine.tokenize(text, add_bos=False)  # the server answers text, not token ids
+    rep = engine.verify_output(prompt, ids)
+    assert rep.ok, rep.summary()
+
+
+def test_speculative_completion_equals_plain_decoding_up_to_ties(client, engine):
     res = client.completions.create(model="gemma-test", prompt=PROMPT, max_tokens=40,
                                     temperature=0)
     assert res.model_extra["timings"]["mode"] == "srsd"
-    ids = engine.tokenize(res.choices[0].text, add_bos=False)
-    plain = engine.generate(PROMPT, max_tokens=40, mode="ar")
-    assert_same_up_to_ties(engine, engine.tokenize(PROMPT), plain.token_ids,
-                           engine.tokenize(plain.text, add_bos=False), ids)
+    _verified(engine, PROMPT, res.choices[0].text)
+
+
+def test_greedy_chat_logprobs_name_the_chosen_token_first(client, engine):
+    msgs = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+    res = client.chat.completions.create(model="gemma-test", messages=msgs, max_tokens=24,
+                                         temperature=0, logprobs=True, top_logprobs=3)
+    content = res.choices[0].logprobs.content
+    assert len(content) == res.usage.completion_tokens > 0
+    assert "".join(c.token for c in content) == res.choices[0].message.content
+    for c in content:
+        assert c.logprob <= 0 and len(c.top_logprobs) == 3
+        assert c.top_logprobs[0].token == c.token, (c.token, c.top_logprobs)
+        assert abs(c.top_logprobs[0].logprob - c.logprob) < 1e-6
+        assert c.bytes == list(c.token.encode())
+    # the legacy completions shape, streamed
+    chunks = list(client.completions.create(model="gemma-test", prompt=PROMPT, max_tokens=12,
+                                            temperature=0, logprobs=2, stream=True))
+    lps = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    tokens = [t for lp in lps for t in lp.tokens]
+    assert len(tokens) == 12 and "".join(tokens) == "".join(c.choices[0].text for c in chunks)
+    assert [o for lp in lps for o in lp.text_offset][0] == len(PROMPT)
+    for lp in lps:
+        for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            assert val <= 0 and top[tok] == val and max(top.values()) == val
 
 
 def test_streamed_completion_equals_non_streamed(client):
@@ -379,3 +412,73 @@ def test_a_bad_model_file_fails_at_startup_without_echoing_it(tmp_path, model_pa
     out = proc.stdout + proc.stderr
     for content in (SECRET, "general.architecture", "tokenizer", "gemma"):
         assert content not in out, content
+
+
+# -- parallel serving and model switching (one server: --parallel 2, a second model on disk) ---
+@pytest.fixture(scope="module")
+def parallel_server(model_path, second_model_dir, tmp_path_factory):
+    """`srsd-local serve --parallel 2 --no-calibrate` on the default model, with
+    SRSD_MODELS_DIR holding a copy of it under another name (SECOND_MODEL); --no-calibrate:
+    the copy has no stored calibration, and loading it must not calibrate (~30 s)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SRSD_CACHE_DIR", str(tmp_path_factory.mktemp("srsd-cache")))
+        mp.setenv("SRSD_MODELS_DIR", str(second_model_dir))
+        proc, base, _ = start_cli_server(["serve", "--no-ui", "--model", str(model_path),
+                                          "--parallel", "2", "--n-ctx", "1024",
+                                          "--no-calibrate"])
+    yield base.rstrip("/")
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def _complete(base: str, prompt: str, **kw) -> httpx.Response:
+    return httpx.post(base + "/v1/completions", timeout=300, json={
+        "prompt": prompt, "max_tokens": 32, "temperature": 0, **kw})
+
+
+def test_three_concurrent_requests_on_a_parallel_2_server(parallel_server, engine):
+    base = parallel_server
+    prompts = [PROMPT, "def mul(a, b):\n    return a * b\n\ndef div(a, b):\n",
+               "The three primary colors are"]
+    metrics = _metrics({"base": base})
+    assert metrics["srsd_slots_total"] == 2 and metrics["srsd_slots_busy"] == 0
+    with cf.ThreadPoolExecutor(3) as ex:
+        together = list(ex.map(_complete, [base] * 3, prompts))
+    assert [r.status_code for r in together] == [200, 200, 200], [r.text for r in together]
+    alone = [_complete(base, p) for p in prompts]
+    for p, a, b in zip(prompts, together, alone):
+        text, ref = a.json()["choices"][0]["text"], b.json()["choices"][0]["text"]
+        assert a.json()["usage"]["completion_tokens"] == 32
+        if text != ref:  # a near-tie that batching flipped: plain decoding agrees with both
+            _verified(engine, p, text)
+            _verified(engine, p, ref)
+    after = _metrics({"base": base})
+    assert after["srsd_generations_total"] == 6 and after["srsd_requests_waiting"] == 0
+
+
+def test_a_request_naming_another_model_loads_it_and_the_first_still_works(parallel_server,
+                                                                          model_path, engine):
+    base = parallel_server
+    first = model_path.stem
+
+    def listed() -> list[tuple[str, bool]]:
+        return [(m["id"], m["loaded"]) for m in httpx.get(base + "/v1/models").json()["data"]]
+
+    models = listed()
+    assert models[0] == (first, True) and (SECOND_MODEL, False) in models
+    a = _complete(base, PROMPT, model=first)
+    assert a.status_code == 200 and a.json()["model"] == first
+    b = _complete(base, PROMPT, model=SECOND_MODEL)
+    assert b.status_code == 200, b.text
+    assert b.json()["model"] == SECOND_MODEL
+    _verified(engine, PROMPT, b.json()["choices"][0]["text"])  # the same weights
+    models = listed()
+    assert models[0] == (SECOND_MODEL, True) and (first, False) in models  # one resident
+    assert httpx.get(base + "/health").json()["model"] == SECOND_MODEL
+    assert _complete(base, "Hello", max_tokens=3).json()["model"] == SECOND_MODEL  # current
+    c = _complete(base, PROMPT, model=first)  # back to the first one
+    assert c.status_code == 200 and c.json()["model"] == first
+    _verified(engine, PROMPT, c.json()["choices"][0]["text"])
+    err = _complete(base, PROMPT, model="no-such-model")
+    assert err.status_code == 404 and err.json()["error"]["code"] == "model_not_found"
+    assert listed()[0] == (first, True)

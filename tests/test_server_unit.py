@@ -6,6 +6,7 @@ import concurrent.futures as cf
 import contextlib
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from fakes import FakeBackend
@@ -125,8 +126,8 @@ class PublicOnly:
     """An Engine that fails the test when an app reaches past its public API."""
 
     PUBLIC = {"n_ctx", "n_vocab", "model_path", "model_name", "n_layer", "index_backend",
-              "config", "token_text", "tokenize", "apply_chat_template", "stream", "generate",
-              "chat", "reset"}
+              "config", "parallel", "token_text", "tokenize", "apply_chat_template", "submit",
+              "stream", "generate", "chat", "reset", "close"}
 
     def __init__(self, engine) -> None:
         self._engine = engine
@@ -255,18 +256,19 @@ def test_generation_bodies_must_be_sent_as_json(api, path, ctype):
     assert f'endpoint="{path}",status="415"' in svc.metrics.render().decode()
 
 
-def test_json_with_charset_and_unknown_fields_including_logprobs_are_accepted(api):
+def test_json_with_charset_and_unknown_fields_and_null_logprobs_are_accepted(api):
     client, _ = api
     r = client.post("/v1/completions", headers={"Content-Type": "Application/JSON; charset=utf-8"},
                     content=b'{"prompt": "the cat the", "max_tokens": 4, "temperature": 0, '
                             b'"logprobs": null, "user": "me", "suffix": null, "echo": false}')
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 4
-    # logprobs are the engine's to come: still accepted (and not answered yet)
+    assert r.json()["choices"][0]["logprobs"] is None
     r = client.post("/v1/chat/completions", json={
         "messages": [{"role": "user", "content": "the cat"}], "max_tokens": 2,
         "logprobs": True, "top_logprobs": 3})
     assert r.status_code == 200, r.text
+    assert len(r.json()["choices"][0]["logprobs"]["content"]) == 2
 
 
 def test_model_and_context_errors(api):
@@ -446,9 +448,9 @@ def test_queue_full_is_429_with_retry_after():
     with live_server(svc) as (base, server):
         with cf.ThreadPoolExecutor(2) as ex:
             running = ex.submit(httpx.post, base + "/v1/completions", json=LONG, timeout=30)
-            _until(lambda: svc.slot.busy)
+            _until(lambda: svc.pool.busy)
             queued = ex.submit(httpx.post, base + "/v1/completions", json=LONG, timeout=30)
-            _until(lambda: svc.slot.waiting == 1)
+            _until(lambda: svc.pool.waiting == 1)
             r = httpx.post(base + "/v1/completions", json=LONG, timeout=30)
             err = _error(r, 429)
             assert err["code"] == "queue_full" and "--max-queue 1" in err["message"]
@@ -475,7 +477,7 @@ def test_shutdown_answers_queued_503_ends_the_running_stream_cleanly_and_exits_f
             queued = [ex.submit(httpx.post, base + "/v1/completions", json=LONG, timeout=30),
                       ex.submit(httpx.post, base + "/v1/chat/completions", timeout=30, json={
                           "messages": [{"role": "user", "content": "x"}], "stream": True})]
-            _until(lambda: svc.slot.waiting == 2)
+            _until(lambda: svc.pool.waiting == 2)
             t0 = time.time()
             svc.request_shutdown()  # what SIGTERM does (app/lifecycle.py), and uvicorn's stop
             server.should_exit = True
@@ -668,7 +670,7 @@ def test_the_ui_runs_every_event_through_the_queue_so_none_holds_the_engine():
             assert _ui_chat(client, chat, {})[0][-1]["role"] == "assistant"
         assert client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}
                            ).status_code == 200
-        assert not svc.slot.busy
+        assert not svc.pool.busy
 
 
 def test_key_matches_bearer_and_basic_password_only():
@@ -737,6 +739,16 @@ def test_cli_serve_and_ui_take_the_http_options():
         a = build_parser().parse_args([cmd, "--allowed-host", "a.lan", "--allowed-host", "b",
                                        "--cors-origin", "http://x", "--api-key", "k"])
         assert (a.allowed_host, a.cors_origin, a.api_key) == (["a.lan", "b"], ["http://x"], "k")
+        assert a.max_models == 1
+        assert build_parser().parse_args([cmd, "--max-models", "3"]).max_models == 3
+
+
+def test_max_models_below_1_stops_serve_with_a_message(capsys):
+    from srsd_local.cli import main
+
+    assert main(["serve", "--no-ui", "--max-models", "0", "--port", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "--max-models 0" in err and "accepted is an integer >= 1" in err
 
 
 # -- startup: a bad model file fails fast, never echoing the file ---------------------------------
@@ -802,16 +814,22 @@ class FailingOnce(PublicOnly):
         super().__init__(engine)
         self.fail, self.resets = True, 0
 
-    def stream(self, *args, **kwargs):
-        for i, ev in enumerate(self._engine.stream(*args, **kwargs)):
-            if i == 1 and self.fail:
-                self.fail = False
-                raise RuntimeError("llama_decode failed")
-            yield ev
+    def submit(self, *args, **kwargs):
+        events = self._engine.submit(*args, **kwargs)  # argument errors raised here
+
+        def failing():
+            with contextlib.closing(events):
+                for i, ev in enumerate(events):
+                    if i == 1 and self.fail:
+                        self.fail = False
+                        raise RuntimeError("llama_decode failed")
+                    yield ev
+
+        return failing()
 
     def reset(self) -> None:
+        self._engine.reset()  # raises while a request is still leaving the engine
         self.resets += 1
-        self._engine.reset()
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -834,3 +852,406 @@ def test_an_engine_error_is_a_500_and_the_engine_is_reset_for_the_next_request(s
         r = client.post("/v1/completions", json={**body, "stream": False})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
         assert svc.engine.resets == 1
+
+
+# -- parallel serving: up to engine.parallel requests at once, the rest queued -------------------
+def _parallel_engine(parallel: int = 2, step_s: float = 0.02):
+    be = ChatFakeBackend(n_ctx=512 * parallel, step_cost=lambda n: step_s)
+    be.model_path = "/models/fake.gguf"
+    return PublicOnly(Engine(be, SRSDConfig(index_backend="numpy", mode="ar",
+                                            parallel=parallel)))
+
+
+class SubmitOnly(PublicOnly):
+    """The public engine, where generating other than through `submit` fails the test."""
+
+    PUBLIC = PublicOnly.PUBLIC - {"stream", "generate", "chat"}
+
+
+def test_three_requests_with_parallel_2_overlap_and_the_third_waits():
+    import json
+
+    import httpx
+
+    svc = Service(lambda: SubmitOnly(_parallel_engine(2)._engine), model_id="fake")
+    prompts = ["the cat sat", "a b c d", "xyz xyz"]
+    times: dict[int, list[float]] = {}
+    texts: dict[int, str] = {}
+
+    def stream(i: int, base: str) -> None:
+        body = {"prompt": prompts[i], "max_tokens": 30, "temperature": 0, "stream": True}
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            parts = []
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    times.setdefault(i, []).append(time.monotonic())
+                    parts.append(json.loads(line[6:])["choices"][0]["text"])
+            texts[i] = "".join(parts)
+
+    with live_server(svc) as (base, _):
+        with cf.ThreadPoolExecutor(3) as ex:
+            futs = [ex.submit(stream, 0, base)]
+            _until(lambda: svc.pool.slots_busy == 1)
+            futs.append(ex.submit(stream, 1, base))
+            _until(lambda: svc.pool.slots_busy == 2)
+            futs.append(ex.submit(stream, 2, base))
+            _until(lambda: svc.pool.waiting == 1)
+            m = _scrape(httpx.get(base + "/metrics").text)
+            assert (m["srsd_slots_busy"], m["srsd_slots_total"], m["srsd_requests_waiting"]) \
+                == (2, 2, 1)
+            for f in futs:
+                f.result(timeout=60)
+        sequential = [httpx.post(base + "/v1/completions", timeout=60, json={
+            "prompt": p, "max_tokens": 30, "temperature": 0}).json()["choices"][0]["text"]
+            for p in prompts]
+        m = _scrape(httpx.get(base + "/metrics").text)
+        assert (m["srsd_slots_busy"], m["srsd_requests_waiting"]) == (0, 0)
+    first_end = min(times[0][-1], times[1][-1])
+    # the first two generate side by side; the third starts once one of them has finished
+    assert times[0][0] < times[1][-1] and times[1][0] < times[0][-1]
+    assert times[1][0] < first_end and times[2][0] >= first_end
+    assert [texts[i] for i in range(3)] == sequential
+
+
+def test_parallel_generations_are_cancelled_one_by_one_and_the_others_continue():
+    import httpx
+
+    svc = Service(lambda: _parallel_engine(2), model_id="fake")
+    with live_server(svc) as (base, _):
+        with cf.ThreadPoolExecutor(2) as ex:
+            kept = ex.submit(httpx.post, base + "/v1/completions", timeout=60,
+                             json={"prompt": "the cat", "max_tokens": 60, "temperature": 0})
+            _until(lambda: svc.pool.slots_busy == 1)
+            with pytest.raises(httpx.TimeoutException):  # dropped: its slot frees at once
+                httpx.post(base + "/v1/completions", timeout=0.5, json={
+                    "prompt": "a b", "max_tokens": 400, "temperature": 0})  # 8 s
+            _until(lambda: svc.pool.slots_busy == 1, timeout=2)
+            r = kept.result(timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 60
+        assert 'status="499"} 1.0' in svc.metrics.render().decode()
+
+
+def test_shutdown_with_parallel_2_ends_both_running_streams_and_answers_the_queued_503():
+    import json
+
+    import httpx
+
+    svc = Service(lambda: _parallel_engine(2), model_id="fake", max_queue=4)
+    with live_server(svc) as (base, server):
+        lines: dict[int, list[str]] = {0: [], 1: []}
+
+        def stream(i: int) -> None:
+            with httpx.stream("POST", base + "/v1/completions", timeout=30, json={
+                    "prompt": "the cat", "max_tokens": 400, "temperature": 0,
+                    "stream": True}) as r:
+                lines[i].extend(r.iter_lines())  # raises if the stream is cut
+
+        with cf.ThreadPoolExecutor(3) as ex:
+            streams = [ex.submit(stream, i) for i in range(2)]
+            _until(lambda: all(len(v) >= 3 for v in lines.values()))
+            queued = ex.submit(httpx.post, base + "/v1/completions", timeout=30,
+                               json={"prompt": "ab", "max_tokens": 4})
+            _until(lambda: svc.pool.waiting == 1)
+            t0 = time.time()
+            svc.request_shutdown()
+            server.should_exit = True
+            for f in streams:
+                f.result(timeout=10)
+            err = _error(queued.result(timeout=10), 503)
+            assert err["code"] == "server_shutting_down"
+        for v in lines.values():
+            data = [json.loads(ln[6:]) for ln in v if ln.startswith("data: ")]
+            assert data[0]["choices"][0]["text"] and \
+                data[-1]["error"]["code"] == "server_shutting_down"
+        assert time.time() - t0 < 5
+
+
+def test_with_parallel_2_an_engine_error_resets_the_engine_once_its_requests_are_done():
+    svc = Service(lambda: FailingOnce(_parallel_engine(2, step_s=0.0)._engine),
+                  model_id="fake")
+    with TestClient(create_app(svc), raise_server_exceptions=False) as client:
+        assert svc.ready.wait(10)
+        body = {"prompt": "the cat the", "max_tokens": 8, "temperature": 0}
+        _error(client.post("/v1/completions", json=body), 500)
+        _until(lambda: svc.engine.resets == 1 and not svc.pool.busy)
+        with cf.ThreadPoolExecutor(2) as ex:
+            rs = list(ex.map(lambda _: client.post("/v1/completions", json=body), range(2)))
+        assert [r.status_code for r in rs] == [200, 200]
+        assert rs[0].json()["choices"][0]["text"] == rs[1].json()["choices"][0]["text"]
+        assert svc.engine.resets == 1
+
+
+# -- logprobs ------------------------------------------------------------------------------------
+def _sse(r) -> list[dict]:
+    import json
+
+    return [json.loads(ln[6:]) for ln in r.iter_lines()
+            if ln.startswith("data: ") and ln != "data: [DONE]"]
+
+
+def test_completion_logprobs_have_openai_legacy_shape(api):
+    client, _ = api
+    prompt = "the cat the"
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 2}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    n = r.json()["usage"]["completion_tokens"]
+    assert n == 6 and all(len(lp[k]) == n for k in lp)
+    assert "".join(lp["tokens"]) == choice["text"]
+    assert lp["text_offset"][0] == len(prompt)
+    assert all(b - a == len(t) for a, b, t in zip(lp["text_offset"], lp["text_offset"][1:],
+                                                    lp["tokens"]))
+    for tok, val, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert val <= 0 and 1 <= len(top) <= 3 and top[tok] == val  # the sampled one is there
+        assert max(top.values()) == val  # greedy: the most likely token
+    # streamed: each chunk carries its tokens' logprobs, together the same
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+        chunks = _sse(s)
+    got = {k: [x for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+               for x in c["choices"][0]["logprobs"][k]] for k in lp}
+    assert got == lp
+    # off: null, as OpenAI
+    r = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+    assert r.json()["choices"][0]["logprobs"] is None
+    r = client.post("/v1/completions", json={**body, "logprobs": 0})
+    assert all(len(t) == 1 for t in r.json()["choices"][0]["logprobs"]["top_logprobs"])
+
+
+def test_chat_logprobs_have_openai_shape_streamed_too(api):
+    client, _ = api
+    body = {"messages": [{"role": "user", "content": "the cat the"}], "max_tokens": 6,
+            "temperature": 0, "logprobs": True, "top_logprobs": 3}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert len(content) == r.json()["usage"]["completion_tokens"] == 6
+    assert "".join(c["token"] for c in content) == choice["message"]["content"]
+    for c in content:
+        assert set(c) == {"token", "logprob", "bytes", "top_logprobs"}
+        assert c["bytes"] == list(c["token"].encode()) and c["logprob"] <= 0
+        assert len(c["top_logprobs"]) == 3
+        assert all(set(t) == {"token", "logprob", "bytes"} for t in c["top_logprobs"])
+        assert c["top_logprobs"][0]["token"] == c["token"]  # greedy
+        assert c["top_logprobs"][0]["logprob"] == c["logprob"]
+        lps = [t["logprob"] for t in c["top_logprobs"]]
+        assert lps == sorted(lps, reverse=True)
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+        chunks = _sse(s)
+    streamed = [x for c in chunks if c["choices"] and c["choices"][0].get("logprobs")
+                for x in c["choices"][0]["logprobs"]["content"]]
+    assert streamed == content
+    r = client.post("/v1/chat/completions", json={**body, "top_logprobs": None})
+    assert all(c["top_logprobs"] == [] for c in r.json()["choices"][0]["logprobs"]["content"])
+    r = client.post("/v1/chat/completions", json={**body, "logprobs": False,
+                                                  "top_logprobs": None})
+    assert r.json()["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize("path,extra,param,words", [
+    ("/v1/completions", {"logprobs": 21}, "logprobs", "0..20"),
+    ("/v1/completions", {"logprobs": -1}, "logprobs", "0..20"),
+    ("/v1/completions", {"logprobs": True}, "logprobs", "0..20"),
+    ("/v1/completions", {"logprobs": "5"}, "logprobs", "0..20"),
+    ("/v1/chat/completions", {"logprobs": 1}, "logprobs", "true or false"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "0..20"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 1.5}, "top_logprobs",
+     "0..20"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs", '"logprobs": true'),
+    ("/v1/chat/completions", {"logprobs": False, "top_logprobs": 0}, "top_logprobs",
+     '"logprobs": true'),
+])
+def test_bad_logprobs_are_400_naming_the_field(api, path, extra, param, words):
+    client, _ = api
+    body = {"prompt": "ab"} if path == "/v1/completions" else \
+        {"messages": [{"role": "user", "content": "ab"}]}
+    err = _error(client.post(path, json={**body, "max_tokens": 2, **extra}), 400, param)
+    assert words in err["message"] and "accepted" in err["message"]
+
+
+# -- models: listing and switching per request ---------------------------------------------------
+class Entry:
+    def __init__(self, id_: str, path: str, problem: str | None = None) -> None:
+        self.id, self.path, self.problem = id_, path, problem
+
+
+class Models:
+    """A machine with models a, b, c (fake engines), one that fails to load and one whose
+    files are incomplete; it counts loads and closes."""
+
+    CATALOG = [Entry("a", "/models/a.gguf"), Entry("b", "/models/b.gguf"),
+               Entry("c", "/models/c.gguf"), Entry("bad", "/models/bad.gguf"),
+               Entry("broken", "/models/broken.gguf", problem="part 2 of 2 is missing")]
+
+    def __init__(self, step_s: float = 0.0) -> None:
+        self.step_s = step_s
+        self.loads: list[tuple[str, float]] = []
+        self.closed: list[str] = []
+
+    def engine(self, path: str):
+        if "bad" in str(path):
+            raise ValueError(f"llama.cpp could not load {path}: b'SECRET'")
+        be = ChatFakeBackend(n_ctx=256, step_cost=(lambda n: self.step_s)
+                             if self.step_s else None)
+        be.model_path = str(path)
+        models = self
+
+        class Tracked(PublicOnly):
+            def close(self) -> None:
+                models.closed.append(Path(self._engine.model_path).stem)
+                self._engine.close()
+
+        self.loads.append((Path(path).stem, time.monotonic()))
+        return Tracked(Engine(be, SRSDConfig(index_backend="numpy", mode="ar")))
+
+    def resolve(self, name: str):
+        for e in self.CATALOG:
+            if name in (e.id, Path(e.path).name):
+                return Path(e.path)
+        raise ValueError(f"unknown model {name!r}")
+
+    def service(self, **kw) -> Service:
+        return Service(lambda: self.engine("/models/a.gguf"), load_model=self.engine,
+                       list_models=lambda: list(self.CATALOG), resolve=self.resolve, **kw)
+
+
+def _models(client) -> list[tuple[str, bool]]:
+    return [(m["id"], m["loaded"]) for m in client.get("/v1/models").json()["data"]]
+
+
+def _ask(client, model: str | None, path: str = "/v1/completions"):
+    body = {"prompt": "the cat the", "max_tokens": 4, "temperature": 0}
+    if path != "/v1/completions":
+        body = {"messages": [{"role": "user", "content": "the cat the"}], "max_tokens": 4}
+    return client.post(path, json={**body, **({"model": model} if model is not None else {})})
+
+
+def test_models_are_listed_and_a_request_naming_one_loads_it():
+    m = Models()
+    svc = m.service(model_id="alias-a")
+    with TestClient(create_app(svc)) as client:
+        assert svc.ready.wait(10)
+        # the loaded model under its alias, then the others found; unusable ones left out
+        assert _models(client) == [("alias-a", True), ("b", False), ("c", False),
+                                   ("bad", False)]
+        r = _ask(client, "b")
+        assert r.status_code == 200 and r.json()["model"] == "b"
+        assert _models(client) == [("b", True), ("alias-a", False), ("c", False),
+                                   ("bad", False)]
+        assert client.get("/health").json() == {"status": "ok", "model": "b"}
+        assert m.closed == ["a"]  # one resident at a time (--max-models 1)
+        r = _ask(client, None, "/v1/chat/completions")  # no model: the current one
+        assert r.status_code == 200 and r.json()["model"] == "b"
+        r = _ask(client, "alias-a")  # the alias still names the first model
+        assert r.status_code == 200 and r.json()["model"] == "alias-a"
+        r = _ask(client, "b.gguf")  # a file name works too
+        assert r.status_code == 200 and r.json()["model"] == "b"
+        assert [name for name, _ in m.loads] == ["a", "b", "a", "b"]
+
+
+def test_a_model_that_fails_to_load_is_a_503_and_the_previous_one_keeps_serving(caplog):
+    m = Models()
+    svc = m.service(model_id="alias-a")
+    with TestClient(create_app(svc)) as client:
+        assert svc.ready.wait(10)
+        err = _error(_ask(client, "bad"), 503, "model")
+        assert err["code"] == "model_load_failed" and "'bad' could not be loaded" in \
+            err["message"] and "'alias-a' keeps serving" in err["message"]
+        assert "SECRET" not in err["message"] and "/models" not in err["message"]
+        r = _ask(client, None)
+        assert r.status_code == 200 and r.json()["model"] == "alias-a"
+        assert m.closed == [] and client.get("/health").json()["model"] == "alias-a"
+    assert "SECRET" not in caplog.text  # the log says why, without the file's bytes
+
+
+@pytest.mark.parametrize("name", ["gpt-17", "broken", "/models/b.gguf", "~/b.gguf", "../b",
+                                  "./b.gguf", ""])
+def test_unknown_unusable_and_path_models_are_404(name):
+    m = Models()
+    svc = m.service()
+    with TestClient(create_app(svc)) as client:
+        assert svc.ready.wait(10)
+        err = _error(_ask(client, name), 404, "model")
+        assert err["code"] == "model_not_found" and "GET /v1/models" in err["message"]
+        assert [n for n, _ in m.loads] == ["a"]
+
+
+def test_max_models_keeps_several_resident_and_evicts_the_least_recently_used():
+    m = Models()
+    svc = m.service(max_models=2)
+    with TestClient(create_app(svc)) as client:
+        assert svc.ready.wait(10)
+        assert _ask(client, "b").json()["model"] == "b"
+        assert _ask(client, "a").json()["model"] == "a"  # still resident: no load
+        assert [n for n, _ in m.loads] == ["a", "b"] and m.closed == []
+        # the current model (loaded last: b) first; a request naming a resident model
+        # does not change which one requests without a model go to
+        assert [x for x in _models(client) if x[1]] == [("b", True), ("a", True)]
+        assert _ask(client, None).json()["model"] == "b"
+        assert _ask(client, "a").json()["model"] == "a"
+        assert _ask(client, "c").json()["model"] == "c"  # b was used least recently
+        assert m.closed == ["b"]
+        assert sorted(x[0] for x in _models(client) if x[1]) == ["a", "c"]
+        m_ = _scrape(svc.metrics.render().decode())
+        assert m_["srsd_slots_total"] == 2 and m_["srsd_slots_busy"] == 0
+    with pytest.raises(ValueError, match="--max-models 0"):
+        m.service(max_models=0)
+
+
+def test_a_model_load_waits_for_the_running_requests_like_a_generation():
+    import httpx
+
+    m = Models(step_s=0.02)
+    svc = m.service(max_queue=4)
+    with live_server(svc) as (base, _):
+        with cf.ThreadPoolExecutor(3) as ex:
+            running = ex.submit(httpx.post, base + "/v1/completions", timeout=60,
+                                json={"prompt": "the cat", "max_tokens": 40, "temperature": 0})
+            _until(lambda: svc.pool.slots_busy == 1)
+            switch = ex.submit(httpx.post, base + "/v1/completions", timeout=60,
+                               json={"prompt": "the cat", "max_tokens": 2, "model": "b"})
+            _until(lambda: svc.pool.waiting == 1)
+            after = ex.submit(httpx.post, base + "/v1/completions", timeout=60,
+                              json={"prompt": "the cat", "max_tokens": 2})  # current: b then
+            _until(lambda: svc.pool.waiting == 2)
+            r = running.result(timeout=60)
+            ended = time.monotonic()
+            assert r.status_code == 200 and r.json()["model"] == "a"
+            assert switch.result(timeout=60).json()["model"] == "b"
+            assert after.result(timeout=60).json()["model"] == "b"
+    assert [n for n, _ in m.loads] == ["a", "b"] and m.loads[1][1] <= ended + 0.5
+    assert m.loads[1][1] > ended - 0.2, "b was loaded while a request on a was running"
+
+
+def test_the_ui_picker_lists_and_switches_models():
+    import json
+
+    from srsd_local.app.main import build_app
+
+    m = Models()
+    svc = m.service()
+    with TestClient(build_app(svc, ui_path="/ui")) as client:
+        assert svc.ready.wait(10)
+
+        def call(route: str, data: list) -> list:
+            r = client.post(f"/ui/gradio_api/call/{route}", json={"data": data})
+            assert r.status_code == 200, r.text
+            r = client.get(f"/ui/gradio_api/call/{route}/{r.json()['event_id']}")
+            events = r.text.split("event: ")
+            assert events[-1].startswith("complete"), r.text[-500:]
+            return json.loads(events[-1].split("data: ", 1)[1])
+
+        picker = call("models", [])[0]
+        choices = [c[0] if isinstance(c, list) else c for c in picker["choices"]]
+        assert choices == ["a", "b", "c", "bad"] and picker["value"] == "a"
+        status = call("switch_model", ["b"])[0]
+        assert "Loaded b" in status and svc.model_id == "b"
+        assert _ui_chat(client, {"data": ["the cat", [], "", "ar", 0.0, 4]}, {}
+                        )[0][-1]["role"] == "assistant"
+        r = client.post("/ui/gradio_api/call/switch_model", json={"data": ["bad"]})
+        r = client.get(f"/ui/gradio_api/call/switch_model/{r.json()['event_id']}")
+        assert "could not be loaded" in r.text and svc.model_id == "b"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import start_cli_server
+from conftest import SECOND_MODEL, start_cli_server
 
 from srsd_local.app.ui import (
     edit_max_tokens,
@@ -27,10 +27,13 @@ CODE = 'def area(width, height):\n    """Area of a rectangle."""\n    result = w
 
 
 @pytest.fixture(scope="module")
-def ui_url(tmp_path_factory):
+def ui_url(tmp_path_factory, model_path, second_model_dir):
     with pytest.MonkeyPatch.context() as mp:  # the server's caches: not the user's
         mp.setenv("SRSD_CACHE_DIR", str(tmp_path_factory.mktemp("srsd-cache")))
-        proc, base, _ = start_cli_server(["ui"])
+        mp.setenv("SRSD_MODELS_DIR", str(second_model_dir))  # a second model for the picker
+        # --model: the default model where it is (else it is assembled in SRSD_MODELS_DIR);
+        # --no-calibrate: the second model has no stored calibration
+        proc, base, _ = start_cli_server(["ui", "--model", str(model_path), "--no-calibrate"])
     yield base
     proc.terminate()
     proc.wait(timeout=30)
@@ -153,3 +156,40 @@ def test_cancelling_a_chat_stops_the_generation(gclient):
     assert out[0][-1]["role"] == "assistant"
     # 2048 tokens take ~20 s here: the cancelled generation did not run to the end
     assert _time.time() - t0 < 10
+
+
+def _ui_call(ui_url: str, route: str, data: list) -> list:
+    """A UI event through Gradio's queue API: its last output."""
+    import json
+
+    r = httpx.post(f"{ui_url}gradio_api/call/{route}", json={"data": data}, timeout=30)
+    assert r.status_code == 200, r.text
+    r = httpx.get(f"{ui_url}gradio_api/call/{route}/{r.json()['event_id']}", timeout=300)
+    events = r.text.split("event: ")
+    assert events[-1].startswith("complete"), r.text[-500:]
+    return json.loads(events[-1].split("data: ", 1)[1])
+
+
+def test_model_picker_lists_and_switches_models(ui_url, gclient, engine, model_path):
+    first = model_path.stem
+    picker = _ui_call(ui_url, "models", [])[0]
+    choices = [c[0] if isinstance(c, list) else c for c in picker["choices"]]
+    assert picker["value"] == first and choices[0] == first and SECOND_MODEL in choices
+    status = gclient.predict(SECOND_MODEL, api_name="/switch_model")
+    try:
+        assert f"Loaded {SECOND_MODEL}" in status, status
+        assert _ui_call(ui_url, "models", [])[0]["value"] == SECOND_MODEL
+        msgs = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+        out = gclient.predict(msgs[0]["content"], [], "", "ar", 0.0, 24, api_name="/chat")
+        reply = out[0][-1]["content"]
+        reply = reply if isinstance(reply, str) else "".join(p.get("text", "") for p in reply)
+        # the same weights; the chat box drops the reply's trailing whitespace
+        assert reply.rstrip() == engine.chat(msgs, max_tokens=24, mode="ar").text.rstrip()
+    finally:  # the other tests of this module expect the first model
+        status = gclient.predict(first, api_name="/switch_model")
+    assert f"Loaded {first}" in status, status
+    from gradio_client.exceptions import AppError
+
+    with pytest.raises(AppError, match="not found"):
+        gclient.predict("no-such-model", api_name="/switch_model")
+    assert _ui_call(ui_url, "models", [])[0]["value"] == first
