@@ -9,8 +9,9 @@ the output's own tokens.
 A gap is a real disagreement only if it is larger than rounding can make it. Batched passes
 (a speculative tree, a prompt) use other kernels and summation orders than one-token passes,
 so the same prefix gives slightly different logits. The tolerance is measured in the same
-run: the output is decoded a second time in batches (`chunk` tokens per pass) and compared
-with the one-token rows at each position's top candidates and emitted token. `drift` is the
+run: the output is decoded again in batches of several sizes (`chunks`: 4, 8, 16 and 32 tokens
+per pass, the sizes speculative trees have) and compared with the one-token rows at each
+position's top candidates and emitted token. `drift` is the
 largest logit difference seen; `noise` the largest change of a gap between the position's
 top token and another candidate (how far rounding moved the gaps this check is about). A
 mismatch whose gap is within `noise` is a near-tie that rounding can flip.
@@ -61,12 +62,12 @@ class VerifyReport:
 
 
 def verify_tokens(engine: Any, prompt: str | Sequence[int], tokens: Sequence[int],
-                  chunk: int = 32) -> VerifyReport:
+                  chunks: Sequence[int] = (4, 8, 16, 32)) -> VerifyReport:
     """Check `tokens` (an output of `prompt`, greedy) against plain greedy decoding at every
     position (see the module docstring). Uses the engine's context: it is reset before and
     after, so the next generation prefills from scratch."""
-    if chunk < 1:
-        raise ValueError(f"chunk={chunk}: accepted is an integer >= 1")
+    if not chunks or any(c < 1 for c in chunks):
+        raise ValueError(f"chunks={chunks!r}: accepted are batch sizes >= 1")
     be = engine.backend
     prompt_ids = engine._check_prompt(prompt)
     tokens = [int(t) for t in tokens]
@@ -102,18 +103,19 @@ def verify_tokens(engine: Any, prompt: str | Sequence[int], tokens: Sequence[int
                 ids = np.concatenate(([top], ids[ids != top], [tok] if tok != top else []))
                 cand.append(ids.astype(np.int64))
                 one_vals.append(row[cand[-1]].astype(np.float64))
-        # the same prefixes in batches of `chunk` tokens: the rounding noise of this run
-        be.trim(len(prompt_ids))
+        # the same prefixes in batches of each size: the rounding noise of this run
         rest = tokens[:-1]
         drift = noise = 0.0
-        for s in range(0, len(rest), chunk):
-            part = rest[s: s + chunk]
-            rows = be.decode(part, want_logits="all").logits
-            for j in range(len(part)):
-                k = s + j  # rows[j] is position k + 1
-                delta = rows[j][cand[k]].astype(np.float64) - one_vals[k]
-                drift = max(drift, float(np.abs(delta).max()))
-                noise = max(noise, float(np.abs(delta[1:] - delta[0]).max(initial=0.0)))
+        for chunk in chunks:
+            be.trim(len(prompt_ids))
+            for s in range(0, len(rest), chunk):
+                part = rest[s: s + chunk]
+                rows = be.decode(part, want_logits="all").logits
+                for j in range(len(part)):
+                    k = s + j  # rows[j] is position k + 1
+                    delta = rows[j][cand[k]].astype(np.float64) - one_vals[k]
+                    drift = max(drift, float(np.abs(delta).max()))
+                    noise = max(noise, float(np.abs(delta[1:] - delta[0]).max(initial=0.0)))
         report.drift, report.noise = drift, noise
     finally:
         engine.reset()
