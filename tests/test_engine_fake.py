@@ -212,6 +212,18 @@ def test_bad_logprobs_are_refused(bad):
         make_engine().generate(PROMPT, max_tokens=3, logprobs=bad)
 
 
+def record_decodes(be, what) -> list:
+    """Wrap the fake backend's decode: each call appends what(tokens, seq_ids) to the list."""
+    seen, real = [], be.decode
+
+    def spy(tokens, positions=None, seq_ids=None, want_logits="last"):
+        seen.append(what(tokens, seq_ids))
+        return real(tokens, positions, seq_ids, want_logits)
+
+    be.decode = spy
+    return seen
+
+
 # -- several requests at once ------------------------------------------------------------------
 MANY = [
     {"prompt": PROMPT, "mode": "srsd", "max_tokens": 40},
@@ -228,14 +240,8 @@ def test_generate_many_equals_each_request_alone_and_shares_passes():
     alone = [make_engine().generate(**r) for r in MANY]
     eng = make_engine(parallel=3)
     be = eng.backend
-    calls = []
-    real = be.decode
-
-    def spy(tokens, positions=None, seq_ids=None, want_logits="last"):
-        calls.append({s[0] // (eng.config.max_branches + 1) for s in seq_ids or [[0]]})
-        return real(tokens, positions, seq_ids, want_logits)
-
-    be.decode = spy
+    calls = record_decodes(be, lambda tokens, seq_ids: {
+        s[0] // (eng.config.max_branches + 1) for s in seq_ids or [[0]]})
     many = eng.generate_many(MANY)
     for a, m, r in zip(alone, many, MANY):
         assert m.token_ids == a.token_ids, r
@@ -252,14 +258,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode():
     eng = Engine(FakeBackend(step_cost=lambda n: 0.003),
                  SRSDConfig(index_backend="numpy", n_ctx=512, parallel=2, prefill_chunk=16))
     be = eng.backend
-    sizes = []
-    real = be.decode
-
-    def spy(tokens, positions=None, seq_ids=None, want_logits="last"):
-        sizes.append(len(tokens))
-        return real(tokens, positions, seq_ids, want_logits)
-
-    be.decode = spy
+    sizes = record_decodes(be, lambda tokens, seq_ids: len(tokens))
     long_prompt = "the quick brown fox " * 10  # 200 tokens
     try:
         first = eng.submit(prompt="abc abd", max_tokens=80, mode="ar")
@@ -329,14 +328,7 @@ def test_a_prompt_another_slot_holds_is_copied_not_prefilled():
     eng = Engine(FakeBackend(n_ctx=1024, step_cost=lambda n: 0.002),
                  SRSDConfig(index_backend="numpy", n_ctx=512, parallel=2))
     be = eng.backend
-    sizes = []
-    real = be.decode
-
-    def spy(tokens, positions=None, seq_ids=None, want_logits="last"):
-        sizes.append(len(tokens))
-        return real(tokens, positions, seq_ids, want_logits)
-
-    be.decode = spy
+    sizes = record_decodes(be, lambda tokens, seq_ids: len(tokens))
     longer = PROMPT + " and the lazy cat"
     try:
         busy = eng.submit(prompt=PROMPT, max_tokens=150, mode="ar")  # slot A holds PROMPT

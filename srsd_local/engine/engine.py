@@ -89,7 +89,7 @@ class Engine:
         self.speculator = Speculator(config, cost, acceptance)
         n_slots = config.slots
         per_slot = backend.n_ctx // n_slots
-        self.slots = [Slot(i, i * (config.max_branches + 1), per_slot, backend.n_embd,
+        self.slots = [Slot(i * (config.max_branches + 1), per_slot, backend.n_embd,
                            config.index_backend) for i in range(n_slots)]
         self._acceptance_name: str | None = None  # where learned acceptance is kept
         self._profile: tuple[str, str] | None = None  # (file, key) of the cost profile
@@ -659,7 +659,6 @@ class Engine:
                 w = Work([x], [n], [[slot.base]], [1], req.uses_index)  # no arrays: hot path
                 yield w
                 path, y, path_tokens = [0], sampler(w.logits[0]), [x]
-                be_rows = w.logits
             else:
                 lay = plan.tree.layout()
                 be.seq_fork(slot.base, lay.n_branches)
@@ -675,7 +674,6 @@ class Engine:
                 be.seq_commit(slot.base, slot.base + lay.seq_ids[path[-1]][0], n,
                               n + len(path), lay.n_branches)
                 path_tokens = [plan.tree.tokens[i] for i in path]
-                be_rows = w.logits
             tc = time.perf_counter()
 
             # 5. commit: context tokens and hidden-state index; learn from the outcome
@@ -699,7 +697,7 @@ class Engine:
             pending = path_tokens[1:] + [y]
             drafted = [True] * (len(path) - 1) + [False]
             if n_lp is not None:  # pending[i] was drawn from the row of node path[i]
-                lps = [token_logprob(be_rows[node], tok, n_lp)
+                lps = [token_logprob(w.logits[node], tok, n_lp)
                        for node, tok in zip(path, pending)]
             x = y
 

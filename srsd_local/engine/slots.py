@@ -22,9 +22,7 @@ from ..spec.index import VectorIndex
 
 
 class Slot:
-    def __init__(self, number: int, base: int, n_ctx: int, n_embd: int,
-                 index_backend: str) -> None:
-        self.number = number
+    def __init__(self, base: int, n_ctx: int, n_embd: int, index_backend: str) -> None:
         self.base = base  # main sequence id; branches are base+1..
         self.n_ctx = n_ctx  # context cells this slot may use
         self.n_past = 0  # committed tokens (positions 0..n_past-1 of sequence `base`)
