@@ -14,7 +14,7 @@ SOURCES = {ROOT / "srsd_local": "srsd_local", ROOT / "app": "srsd_local.app"}
 
 # the layer of each part; a module may import only from its own part or lower layers
 LAYERS = {
-    "srsd_local.config": 0, "srsd_local.store": 1,
+    "srsd_local.config": 0, "srsd_local.store": 1, "srsd_local.prompts": 1,
     "srsd_local.spec": 2, "srsd_local.llama": 2,
     "srsd_local.engine": 3,
     "srsd_local": 3.5,  # the package root: the public API (Engine, configs), for the apps

@@ -17,13 +17,13 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from .. import store
 from ..llama.gguf import GGUFError, read_header
+from ..prompts import BenchPrompt, parse_workload
 
 CALIBRATED_FIELDS = ("layer", "top_k", "draft_depth")
 
@@ -167,30 +167,14 @@ FIRST_USE_N_CTX = 2048  # the calibration prompts are < 1k tokens
 _WORKLOAD = ("bench", "workloads", "calibration.jsonl")
 
 
-@dataclass(frozen=True)
-class CalibrationPrompt:
-    id: str
-    category: str
-    prompt: str
-    max_tokens: int
-    temperature: float = 0.0
-    seed: int | None = None
-
-
 def first_use_prompts(categories: Sequence[str] = FIRST_USE_CATEGORIES
-                      ) -> list[CalibrationPrompt]:
+                      ) -> list[BenchPrompt]:
     """The first greedy prompt of each of `categories` in the calibration workload."""
     text = resources.files("srsd_local").joinpath(*_WORKLOAD).read_text(encoding="utf-8")
-    found: dict[str, CalibrationPrompt] = {}
-    for line in text.splitlines():
-        if not line.strip():
-            continue
-        o = json.loads(line)
-        if o.get("temperature", 0.0) or o["category"] not in categories or \
-                o["category"] in found:
-            continue
-        found[o["category"]] = CalibrationPrompt(o["id"], o["category"], o["prompt"],
-                                                 int(o["max_tokens"]))
+    found: dict[str, BenchPrompt] = {}
+    for p in parse_workload(text, "workload calibration"):
+        if not p.temperature and p.category in categories:
+            found.setdefault(p.category, p)
     return [found[c] for c in categories if c in found]
 
 
