@@ -39,7 +39,10 @@ def _run(service: Service, args: argparse.Namespace, ui_path: str | None,
     app = build_app(service, ui_path=ui_path,
                     hosts=allowed_hosts(args.host, getattr(args, "allowed_host", None) or ()),
                     cors_origins=getattr(args, "cors_origin", None) or ())
-    return run_server(app, service, args.host, args.port)
+    host, port = args.host, args.port
+    if getattr(args, "rpc_internal_port", None):  # behind the RPC supervisor (supervisor.py)
+        host, port = "127.0.0.1", args.rpc_internal_port
+    return run_server(app, service, host, port)
 
 
 def serve(args: argparse.Namespace, load: Callable[[], Any],

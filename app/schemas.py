@@ -15,12 +15,19 @@ from typing import Annotated, Any, ClassVar, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..config import MODES
+from ..llama.tools import (
+    TOOL_CHOICE_ACCEPTED,
+    TOOLS_ACCEPTED,
+    forced_names,
+    validate_tool_choice,
+    validate_tools,
+)
 from .errors import APIError
 from .service import GenRequest
 
 Mode = Literal[MODES]  # type: ignore[valid-type]  # the modes of config.MODES
-Role = Literal["system", "user", "assistant", "developer"]
-FinishReason = Literal["stop", "length"]
+Role = Literal["system", "user", "assistant", "developer", "tool"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 MAX_LOGPROBS = 20  # the engine's most alternatives per token
 
 # what each field accepts, for the error messages and the field descriptions
@@ -28,8 +35,10 @@ ACCEPTED = {
     "model": "a string: the id from GET /v1/models",
     "prompt": "a string (or one token-id array, or an array of one string); batches of "
               "prompts are not supported",
-    "messages": "a non-empty array of {role: system | user | assistant | developer, content: "
-                "a string or an array of text parts {type: text, text}}",
+    "messages": "a non-empty array of {role: system | user | assistant | developer | tool, "
+                "content: a string or an array of text parts {type: text, text}} (an "
+                "assistant message may carry tool_calls and a null content; a tool message "
+                "its tool_call_id)",
     "max_tokens": "an integer >= 1",
     "max_completion_tokens": "an integer >= 1",
     "temperature": "a number in [0, 2]",
@@ -44,12 +53,17 @@ ACCEPTED = {
     "stream_options.include_usage": "true or false",
     "srsd": "an object such as {\"mode\": \"srsd\"}",
     "srsd.mode": ", ".join(MODES),
-    "tools": "none yet: tool calling is not supported (omit it, or send null or [])",
+    "tools": "none here: tools need a chat template, send them to /v1/chat/completions "
+             "(omit it, or send null or [])",
     "functions": "none yet: function calling is not supported (omit it, or send null or [])",
-    "tool_choice": "\"none\" or \"auto\" (tool calling is not supported yet)",
+    "tool_choice": "\"none\" or \"auto\" here (tools are for /v1/chat/completions)",
     "function_call": "\"none\" or \"auto\" (function calling is not supported yet)",
-    "response_format": "{\"type\": \"text\"} (JSON mode and structured outputs are not "
-                       "supported yet)",
+    "response_format": "{\"type\": \"text\"}, {\"type\": \"json_object\"} (optionally with "
+                       "\"schema\"), or {\"type\": \"json_schema\", \"json_schema\": {\"name\": "
+                       "..., \"schema\": {a JSON schema}}}",
+    "grammar": "a GBNF grammar (llama.cpp's format) as a string, with a rule named root",
+    "json_schema": "a JSON schema object (llama-server's field; same as response_format "
+                   "json_schema)",
     "logprobs": f"an integer 0..{MAX_LOGPROBS} (OpenAI allows 0..5; up to {MAX_LOGPROBS} "
                 "here): the most likely alternatives to report with each token, or null (off)",
     "top_logprobs": f"an integer 0..{MAX_LOGPROBS}, with \"logprobs\": true: the most likely "
@@ -59,6 +73,9 @@ ACCEPTED = {
 ACCEPTED_CHAT = {
     "logprobs": "true or false: report each token's log-probability (and, with "
                 "top_logprobs, the most likely alternatives)",
+    "tools": TOOLS_ACCEPTED + ", where the model's chat template renders tools",
+    "tool_choice": TOOL_CHOICE_ACCEPTED + " (a forced call excludes response_format, "
+                   "grammar and json_schema)",
 }
 # fields OpenAI defines that this server cannot honour yet: refused, not silently ignored
 # (field -> whether a value is acceptable)
@@ -67,8 +84,8 @@ UNSUPPORTED = {
     "functions": lambda v: v is None or v == [],
     "tool_choice": lambda v: v in (None, "none", "auto"),
     "function_call": lambda v: v in (None, "none", "auto"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
 }
+CONSTRAINT_FIELDS = ("response_format", "grammar", "json_schema")
 
 
 def _doc(name: str, text: str, chat: bool = False) -> str:
@@ -129,6 +146,42 @@ class _Generation(_Open):
         "stream_options", "Streaming options."))
     srsd: SrsdOptions | None = Field(None, description=_doc(
         "srsd", "srsd-local's options."))
+    response_format: dict[str, Any] | None = Field(None, description=_doc(
+        "response_format", "Constrain the output to JSON, or to a JSON schema."))
+    grammar: str | None = Field(None, description=_doc(
+        "grammar", "Constrain the output to a grammar (extension, as llama-server)."))
+    json_schema: dict[str, Any] | None = Field(None, description=_doc(
+        "json_schema", "Constrain the output to a JSON schema (extension, as llama-server)."))
+
+    def _constraint(self) -> tuple[str | None, Any, str | None]:
+        """(grammar, json_schema, the field they came from) of this request."""
+        given = [n for n in CONSTRAINT_FIELDS if getattr(self, n) is not None
+                 and getattr(self, n) != {"type": "text"}]
+        if len(given) > 1:
+            raise APIError(400, f"give one of {', '.join(CONSTRAINT_FIELDS)}, not "
+                           f"{' and '.join(given)}", param=given[1], code="invalid_value")
+        if not given:
+            return None, None, None
+        name = given[0]
+        if name == "grammar":
+            return self.grammar, None, name
+        if name == "json_schema":
+            return None, self.json_schema, name
+        rf = self.response_format or {}
+        kind = rf.get("type")
+        if kind == "json_object":
+            schema = rf.get("schema", {"type": "object"})
+            return None, schema, "response_format"
+        if kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+                raise APIError(400, "response_format.json_schema.schema is required: a JSON "
+                               "schema object; accepted: " + ACCEPTED["response_format"],
+                               param="response_format.json_schema", code="invalid_value")
+            return None, js["schema"], "response_format"
+        raise APIError(400, f"response_format type {kind!r} is not supported; accepted: "
+                       + ACCEPTED["response_format"], param="response_format",
+                       code="invalid_value")
 
     def _refuse_unsupported(self) -> None:
         extra = self.model_extra or {}
@@ -144,6 +197,7 @@ class _Generation(_Open):
     def _gen_request(self, kind: str, prompt: str | list[int] | None,
                      messages: list[dict] | None, logprobs: int | None) -> GenRequest:
         self._refuse_unsupported()
+        grammar, json_schema, constraint_param = self._constraint()
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens
@@ -159,7 +213,8 @@ class _Generation(_Open):
             else list(self.stop),
             stream=bool(self.stream),
             include_usage=bool(so is not None and so.include_usage),
-            mode=ext.mode if ext is not None else None, model=self.model, logprobs=logprobs)
+            mode=ext.mode if ext is not None else None, model=self.model, logprobs=logprobs,
+            grammar=grammar, json_schema=json_schema, constraint_param=constraint_param)
 
 
 class CompletionRequest(_Generation):
@@ -186,9 +241,25 @@ class TextPart(_Open):
     text: str
 
 
+class FunctionCall(_Open):
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class MessageToolCall(_Open):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Open):
     role: Role = Field(description="'developer' is read as 'system'.")
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = Field(
+        None, description="required but for an assistant message with tool_calls")
+    tool_calls: list[MessageToolCall] | None = Field(
+        None, description="the calls an assistant message made")
+    tool_call_id: str | None = Field(None, description="the call a tool message answers")
+    name: str | None = None
 
 
 class ChatCompletionRequest(_Generation):
@@ -203,6 +274,26 @@ class ChatCompletionRequest(_Generation):
         "content`).", chat=True))
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=_doc(
         "top_logprobs", "The most likely alternatives to report with each token."))
+    tools: list[dict[str, Any]] | None = Field(None, description=_doc(
+        "tools", "Functions the model may call: the chat template renders them and the "
+        "answer's `tool_calls` holds the calls it makes (`finish_reason` \"tool_calls\").",
+        chat=True))
+    tool_choice: str | dict[str, Any] | None = Field(None, description=_doc(
+        "tool_choice", "Whether the model may (\"auto\", the default with tools), must "
+        "(\"required\", or a named function) or must not (\"none\": the tools are not "
+        "offered) call a function; a forced call is constrained by a grammar.", chat=True))
+
+    def _tools(self) -> tuple[list[dict[str, Any]], Any]:
+        """The validated tools and tool_choice."""
+        try:
+            tools = validate_tools(self.tools)
+        except ValueError as exc:
+            raise APIError(400, f"{exc}", param="tools", code="invalid_value") from exc
+        try:
+            choice = validate_tool_choice(self.tool_choice, tools)
+        except ValueError as exc:
+            raise APIError(400, f"{exc}", param="tool_choice", code="invalid_value") from exc
+        return tools, choice
 
     def to_gen_request(self) -> GenRequest:
         msgs = [m.model_dump(exclude_unset=True) for m in self.messages]
@@ -211,7 +302,14 @@ class ChatCompletionRequest(_Generation):
                            f"accepted: {ACCEPTED['top_logprobs']}", param="top_logprobs",
                            code="invalid_value")
         n = (self.top_logprobs or 0) if self.logprobs else None
-        return self._gen_request("chat", None, msgs, n)
+        tools, choice = self._tools()
+        req = self._gen_request("chat", None, msgs, n)
+        if forced_names(tools, choice) and req.constraint_param is not None:
+            raise APIError(400, f"a forced tool_choice constrains the output itself; it cannot "
+                           f"be combined with {req.constraint_param}", param="tool_choice",
+                           code="invalid_value")
+        req.tools, req.tool_choice = tools or None, choice
+        return req
 
 
 # -- responses ------------------------------------------------------------------------------------
@@ -297,9 +395,26 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ToolCallDelta(ToolCall):
+    index: int
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None = Field(description="the text; with tool_calls, the text before "
+                                "them, or null")
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -322,6 +437,7 @@ class ChatCompletion(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -357,10 +473,19 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class DevicePlacement(BaseModel):
+    device: str = Field(description="llama.cpp's device name: CPU, CUDA0, RPC0, ...")
+    description: str
+    where: str = Field(description="'local', or the HOST:PORT of the RPC worker")
+    layers: str = Field(description="the layers it holds, e.g. '0-8' or '9-17, output'")
+
+
 class Health(BaseModel):
     status: str = Field(description="'ok'; with 503: 'loading model' or 'error'")
     model: str | None = None
     error: str | None = None
+    devices: list[DevicePlacement] | None = Field(
+        default=None, description="which device holds which layers of the current model")
 
 
 class ErrorDetail(BaseModel):
@@ -376,7 +501,8 @@ class ErrorResponse(BaseModel):
 
 # -- validation errors -> OpenAI's 400 -------------------------------------------------------------
 _FIELD_NAMES = {name for cls in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart,
-                                 SrsdOptions, StreamOptions) for name in cls.model_fields}
+                                 SrsdOptions, StreamOptions, MessageToolCall, FunctionCall)
+                for name in cls.model_fields}
 
 
 def _nested_model(annotation: Any) -> type[BaseModel] | None:

@@ -35,6 +35,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..llama.tools import parse_tool_calls, tool_names
 from .errors import APIError
 from .guard import BodyGuard, HostGuard, KeyGuard
 from .schemas import (
@@ -56,6 +57,9 @@ from .schemas import (
     ModelList,
     Timings,
     TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallFunction,
     TopLogprob,
     Usage,
     validation_error,
@@ -118,6 +122,19 @@ def completion_logprobs(engine: Any, lps: list[Any] | None, offset: int
         out.text_offset.append(offset)
         offset += len(text)
     return out, offset
+
+
+def tool_answer(req: GenRequest, text: str, finish: str | None
+                ) -> tuple[str | None, list[ToolCall] | None, str | None]:
+    """(content, tool_calls, finish_reason) of a chat answer: with the tools active, the
+    calls parsed out of the text (finish_reason "tool_calls"); else the text as it is."""
+    if not req.tools_active:
+        return text, None, finish
+    content, calls = parse_tool_calls(text, tool_names(req.tools or []))
+    if not calls:
+        return text, None, finish
+    return content, [ToolCall(id=c.id, function=ToolCallFunction(
+        name=c.name, arguments=c.arguments)) for c in calls], "tool_calls"
 
 
 def create_app(service: Service, allowed_hosts: Collection[str] | None = None,
@@ -203,7 +220,9 @@ def create_app(service: Service, allowed_hosts: Collection[str] | None = None,
             return JSONResponse({"status": "error", "error": LOAD_FAILED}, 503)
         if service.engine is None:
             return JSONResponse({"status": "loading model"}, 503)
-        return Health(status="ok", model=service.model_id)  # the current model
+        placement = getattr(service.engine, "placement", None)  # the current model
+        return Health(status="ok", model=service.model_id,
+                      devices=placement if isinstance(placement, list) else None)
 
     @app.get("/metrics", response_class=Response, responses={200: {
         "content": {"text/plain": {}}, "description": "Prometheus text format"}})
@@ -246,10 +265,12 @@ def create_app(service: Service, allowed_hosts: Collection[str] | None = None,
             count.labels(endpoint, "200").inc()
             model = served.model_id or ""
             if chat:
+                answer, calls, finish = tool_answer(req, content, finish)
                 return ChatCompletion(
                     id=rid, created=created, model=model, usage=Usage.of(stats),
                     timings=Timings.of(stats), choices=[ChatChoice(
-                        message=AssistantMessage(content=content), finish_reason=finish,
+                        message=AssistantMessage(content=answer, tool_calls=calls),
+                        finish_reason=finish,
                         logprobs=chat_logprobs(served.engine, lps if want_lps else None))])
             clp, _ = completion_logprobs(served.engine, lps if want_lps else None,
                                          prompt_chars() if want_lps else 0)
@@ -261,13 +282,16 @@ def create_app(service: Service, allowed_hosts: Collection[str] | None = None,
         offset = 0  # the next token's text_offset (completions with logprobs)
 
         def chunk(delta_text: str | None, finish: str | None, first: bool = False,
-                  lps: list[Any] | None = None) -> str:
+                  lps: list[Any] | None = None, calls: list[ToolCall] | None = None) -> str:
             nonlocal offset
             head = dict(id=rid, created=created, model=served.model_id or "")
             if chat:
                 delta = ChatDelta(role="assistant") if first else ChatDelta()
                 if delta_text is not None:
                     delta.content = delta_text
+                if calls:
+                    delta.tool_calls = [ToolCallDelta(index=i, **c.model_dump())
+                                        for i, c in enumerate(calls)]
                 c: Any = ChatCompletionChunk(object="chat.completion.chunk", **head, choices=[
                     ChatChunkChoice(index=0, delta=delta, finish_reason=finish,
                                     logprobs=chat_logprobs(served.engine, lps))])
@@ -294,6 +318,25 @@ def create_app(service: Service, allowed_hosts: Collection[str] | None = None,
         if want_lps and not chat:
             offset = prompt_chars()
 
+        # with tools, the text is held until the end: the calls go in one chunk, the text
+        # (when there are none, or before them) in another
+        held: tuple[list[str], list[Any]] | None = ([], []) if chat and req.tools_active \
+            else None
+
+        def release_held(finish: str | None) -> tuple[list[str], str | None]:
+            assert held is not None
+            content, calls, finish = tool_answer(req, "".join(held[0]), finish)
+            lps = held[1] if want_lps else None
+            out = []
+            if content:
+                out.append(chunk(content, None, lps=lps))
+                lps = None
+            if calls:
+                out.append(chunk(None, None, lps=lps, calls=calls))
+            elif lps:
+                out.append(chunk(None, None, lps=lps))
+            return out, finish
+
         async def sse() -> AsyncIterator[str]:
             status = "499"  # unless it ends, or ends with an error
             try:
@@ -302,10 +345,18 @@ def create_app(service: Service, allowed_hosts: Collection[str] | None = None,
                 ev = first_ev
                 while True:
                     lps = ev.logprobs if want_lps else None
-                    if ev.text or lps:  # each chunk carries the logprobs of its tokens
+                    if held is not None:
+                        held[0].append(ev.text)
+                        held[1].extend(lps or [])
+                    elif ev.text or lps:  # each chunk carries the logprobs of its tokens
                         yield chunk(ev.text, None, lps=lps)
                     if ev.finish_reason is not None:
-                        yield chunk(None if chat else "", ev.finish_reason)
+                        finish = ev.finish_reason
+                        if held is not None:
+                            chunks, finish = release_held(finish)
+                            for c in chunks:
+                                yield c
+                        yield chunk(None if chat else "", finish)
                         if req.include_usage:
                             yield usage_chunk(ev.stats)
                         status = "200"

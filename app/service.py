@@ -44,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import GenerationStats
+from ..llama.grammar import GrammarError
+from ..llama.tools import ToolsUnsupportedError, forced_names, tool_call_grammar, tools_active
 from .errors import APIError, shutting_down
 
 log = logging.getLogger("srsd_local.app")
@@ -68,6 +70,16 @@ class GenRequest:
     mode: str | None = None  # None: the service's default mode
     model: str | None = None  # None: the current model
     logprobs: int | None = None  # None: off; else the alternatives to report per token
+    grammar: str | None = None  # GBNF the output must follow
+    json_schema: Any = None  # a JSON schema the output must satisfy
+    constraint_param: str | None = None  # the request field the constraint came from
+    tools: list[dict] | None = None  # OpenAI tools (validated), for the chat template
+    tool_choice: Any = None  # "none" | "auto" | "required" | {type, function: {name}} | None
+
+    @property
+    def tools_active(self) -> bool:
+        """The tools are offered to the model and its output is parsed for calls."""
+        return self.kind == "chat" and tools_active(self.tools, self.tool_choice)
 
 
 # -- metrics --------------------------------------------------------------------------------------
@@ -721,13 +733,18 @@ class Service:
     # -- generation ------------------------------------------------------------------------
     def _prepare(self, eng: Any, req: GenRequest) -> tuple[list[int], dict[str, Any]]:
         param = "messages" if req.kind == "chat" else "prompt"
+        tools = req.tools if req.tools_active else None
         try:
             if req.kind == "chat":
-                tokens: list[int] = eng.tokenize(eng.apply_chat_template(req.messages))
+                tokens: list[int] = eng.tokenize(eng.apply_chat_template(req.messages,
+                                                                         tools=tools))
             elif isinstance(req.prompt, str):
                 tokens = eng.tokenize(req.prompt)
             else:
                 tokens = list(req.prompt)  # token ids: the engine checks the range
+        except ToolsUnsupportedError as exc:
+            raise APIError(400, str(exc), param="tools" if tools else param,
+                           code="unsupported_parameter") from exc
         except ValueError as exc:
             raise APIError(400, str(exc), param=param, code="invalid_value") from exc
         n_ctx, n = eng.n_ctx, len(tokens)
@@ -746,6 +763,14 @@ class Service:
         kwargs = dict(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                       top_k=req.top_k, min_p=req.min_p, seed=req.seed, stop=req.stop or None,
                       mode=req.mode or self.mode, logprobs=req.logprobs)
+        if req.grammar is not None or req.json_schema is not None:
+            kwargs.update(grammar=req.grammar, json_schema=req.json_schema)
+        elif tools and forced_names(tools, req.tool_choice):
+            try:  # the call is forced: a grammar in the template's format
+                kwargs["grammar"] = tool_call_grammar(tools, req.tool_choice,
+                                                      tagged=eng.tool_style() == "tagged")
+            except GrammarError as exc:
+                raise APIError(400, str(exc), param="tools", code="invalid_value") from exc
         return tokens, kwargs
 
     async def events(self, req: GenRequest, disconnected: Callable[[], Awaitable[bool]],
@@ -766,6 +791,9 @@ class Service:
             param: str | None = "messages" if req.kind == "chat" else "prompt"
             try:
                 it = res.engine.submit(tokens, **kwargs)
+            except GrammarError as exc:
+                where = req.constraint_param or ("tools" if req.tools_active else "grammar")
+                raise APIError(400, str(exc), param=where, code="invalid_value") from exc
             except ValueError as exc:
                 raise APIError(400, str(exc), param=param, code="invalid_value") from exc
             pump = _Pump(it, lambda: pool.release(res))  # the slot is the pump's now

@@ -12,6 +12,7 @@ by side) and Stats (accepted per depth, tokens per step).
 from __future__ import annotations
 
 import difflib
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,16 +22,38 @@ from .errors import APIError
 from .service import GenRequest, Served, Service, never_disconnected
 
 DRAFT_LABEL = "from an accepted draft"
+SCHEMA_LABEL = "JSON schema (optional): the output must satisfy it"
 CSS = ".srsd-stats {font-family: monospace}"
 
 
+def parse_schema(text: str | None) -> dict | None:
+    """The optional JSON schema box: empty -> None; else a JSON object, or a clear error."""
+    if not (text or "").strip():
+        return None
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"JSON schema: not valid JSON ({exc})") from None
+    if not isinstance(schema, dict):
+        raise ValueError("JSON schema: give a JSON object, e.g. {\"type\": \"object\"}")
+    return schema
+
+
 def _request(kind: str, *, prompt: str | None = None, messages: list | None = None,
-             max_tokens: int, temperature: float, mode: str, stop: list[str] | None = None
-             ) -> GenRequest:
+             max_tokens: int, temperature: float, mode: str, stop: list[str] | None = None,
+             schema: str | None = None) -> GenRequest:
+    try:
+        json_schema = parse_schema(schema)
+    except ValueError as exc:
+        import gradio as gr  # noqa: PLC0415
+
+        raise gr.Error(str(exc)) from exc
     return GenRequest(kind=kind, prompt=prompt, messages=messages, max_tokens=int(max_tokens),
                       temperature=float(temperature), top_p=1.0, top_k=0, min_p=0.0,
                       seed=None if temperature == 0 else int(time.time()) % 100000,
-                      stop=stop or [], stream=True, include_usage=False, mode=mode, model=None)
+                      stop=stop or [], stream=True, include_usage=False, mode=mode, model=None,
+                      json_schema=json_schema,
+                      constraint_param="JSON schema" if json_schema is not None else None)
 
 
 def stats_line(stats) -> str:
@@ -146,6 +169,10 @@ class UIState:
         line = (f"**Model:** {s.model_id} · {eng.n_ctx} tokens of context · "
                 f"{eng.parallel} at a time · GPU layers {eng.config.n_gpu_layers} · "
                 f"index {eng.index_backend}")
+        placement = getattr(eng, "placement", None)
+        if getattr(eng.config, "rpc_servers", ()) and isinstance(placement, list):
+            line += " · **layers:** " + " · ".join(
+                f"{p['device']} ({p['where']}) {p['layers']}" for p in placement)
         loading = s.loading_model
         return line + (f" · **loading {loading}…**" if loading else "")
 
@@ -255,6 +282,8 @@ def build_ui(service: Service):
                     temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05,
                                             label="Temperature")
                     max_tokens = gr.Slider(1, 2048, value=256, step=1, label="Max tokens")
+                chat_schema = gr.Code(label=SCHEMA_LABEL, language="json", lines=3,
+                                      elem_id="chat-schema")
             chat_stats = gr.Markdown("", elem_classes="srsd-stats", elem_id="chat-stats")
             chat_tokens = gr.HighlightedText(label="Last reply: tokens from accepted drafts",
                                              color_map={DRAFT_LABEL: "green"},
@@ -277,6 +306,9 @@ def build_ui(service: Service):
                 edit_btn = gr.Button("Edit", variant="primary")
                 compare_btn = gr.Button("Compare plain vs SRSD")
                 edit_stop_btn = gr.Button("Stop")
+            with gr.Accordion("Output constraint", open=False):
+                edit_schema = gr.Code(label=SCHEMA_LABEL, language="json", lines=3,
+                                      elem_id="edit-schema")
             edit_stats = gr.Markdown("", elem_classes="srsd-stats", elem_id="edit-stats")
             diff = gr.Code(label="Diff", language="markdown", interactive=False, lines=10)
             compare_out = gr.Markdown("", elem_id="compare")
@@ -289,7 +321,7 @@ def build_ui(service: Service):
             steps_plot = gr.LinePlot(x="step", y="tokens", title="Tokens per step", height=260)
 
         # -- chat ------------------------------------------------------------------------
-        async def chat(message, history, system_prompt, mode_v, temp, max_tok):
+        async def chat(message, history, system_prompt, mode_v, temp, max_tok, schema=""):
             if not (message or "").strip():
                 raise gr.Error("Type a message first.")
             msgs = ([{"role": "system", "content": system_prompt}] if system_prompt.strip()
@@ -301,7 +333,7 @@ def build_ui(service: Service):
                 msgs.append({"role": turn["role"], "content": content})
             msgs.append({"role": "user", "content": message})
             req = _request("chat", messages=msgs, max_tokens=max_tok, temperature=temp,
-                           mode=mode_v)
+                           mode=mode_v, schema=schema)
             base = list(history or []) + [{"role": "user", "content": message}]
             stats = None
             async for text, pieces, stats in st.run(req):
@@ -310,34 +342,34 @@ def build_ui(service: Service):
             if stats is None:
                 return
 
-        chat_inputs = [msg, chatbot, system, mode, temperature, max_tokens]
+        chat_inputs = [msg, chatbot, system, mode, temperature, max_tokens, chat_schema]
         chat_outputs = [chatbot, msg, chat_stats, chat_tokens, depth_plot, steps_plot]
         ev1 = send.click(chat, chat_inputs, chat_outputs, api_name="chat")
         ev2 = msg.submit(chat, chat_inputs, chat_outputs, api_name=False)
         stop_btn.click(None, None, None, cancels=[ev1, ev2])
 
         # -- editor ----------------------------------------------------------------------
-        def _edit_req(orig, instr, lang, mode_v):
+        def _edit_req(orig, instr, lang, mode_v, schema=""):
             if not (orig or "").strip() or not (instr or "").strip():
                 raise gr.Error("Give both the original and an instruction.")
             n = len(st.service.engine.tokenize(orig)) if st.service.engine else 256
             return _request("completion", prompt=edit_prompt(orig, instr, lang),
                             max_tokens=edit_max_tokens(n), temperature=0.0, mode=mode_v,
-                            stop=edit_stop(instr, lang))
+                            stop=edit_stop(instr, lang), schema=schema)
 
-        async def edit(orig, instr, lang, mode_v):
-            req = _edit_req(orig, instr, lang, mode_v)
+        async def edit(orig, instr, lang, mode_v, schema=""):
+            req = _edit_req(orig, instr, lang, mode_v, schema)
             text, stats = "", None
             async for text, _pieces, stats in st.run(req):
                 yield text, stats_line(stats), "", *_plots(stats)
             text = edited_text(text, orig)
             yield text, stats_line(stats), unified_diff(orig, text), *_plots(stats)
 
-        async def compare(orig, instr, lang):
+        async def compare(orig, instr, lang, schema=""):
             rows, texts = [], {}
             for m in ("ar", "srsd"):
                 last = None
-                async for text, _p, stats in st.run(_edit_req(orig, instr, lang, m)):
+                async for text, _p, stats in st.run(_edit_req(orig, instr, lang, m, schema)):
                     texts[m], last = edited_text(text, orig), stats
                 rows.append((m, last))
             (_, a), (_, s) = rows
@@ -349,9 +381,9 @@ def build_ui(service: Service):
                   f"\n**Speed-up: {speedup:.2f}x** · same output: {same}")
             yield texts["srsd"], stats_line(s), unified_diff(orig, texts["srsd"]), md
 
-        e1 = edit_btn.click(edit, [original, instruction, language, edit_mode],
+        e1 = edit_btn.click(edit, [original, instruction, language, edit_mode, edit_schema],
                             [edited, edit_stats, diff, depth_plot, steps_plot], api_name="edit")
-        e2 = compare_btn.click(compare, [original, instruction, language],
+        e2 = compare_btn.click(compare, [original, instruction, language, edit_schema],
                                [edited, edit_stats, diff, compare_out], api_name="compare")
         edit_stop_btn.click(None, None, None, cancels=[e1, e2])
 

@@ -569,12 +569,72 @@ def assert_disjoint(calibration: list[Built], benchmark: list[Built]) -> None:
 
 # --- main -------------------------------------------------------------------------------------
 
+# --- json -------------------------------------------------------------------------------------
+# Structured output: describe a standard-library function as JSON of a fixed schema, after two
+# worked examples. Name, signature and summary are copied from the function's own source.
+JSON_EXAMPLE_FUNCS: list[str] = ["textwrap.indent", "zipfile.is_zipfile"]
+JSON_FUNCS: list[str] = [
+    "textwrap.shorten",
+    "shutil.copyfile",
+    "heapq.nsmallest",
+    "difflib.get_close_matches",
+    "shutil.which",
+    "statistics.median",
+    "glob.glob",
+    "shutil.rmtree",
+]
+JSON_MAX_TOKENS = 256
+JSON_SCHEMA: dict = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "signature": {"type": "string"},
+        "summary": {"type": "string"},
+        "parameters": {"type": "array", "items": {"type": "string"}, "maxItems": 8},
+    },
+    "required": ["name", "signature", "summary", "parameters"],
+    "additionalProperties": False,
+}
+
+
+def _describe(qualname: str) -> tuple[str, dict]:
+    """(the function as `def name(signature):` with its docstring, its JSON description)."""
+    func = resolve(qualname)
+    doc = inspect.getdoc(func)
+    if not doc:
+        raise SourceError(f"{qualname}: no docstring")
+    name = qualname.rsplit(".", 1)[1]
+    sig = inspect.signature(func)
+    body = textwrap.indent(f'"""{doc}\n"""', "    ")
+    summary = " ".join(paragraphs(doc)[0].split())
+    described = {"name": name, "signature": f"{name}{sig}", "summary": summary,
+                 "parameters": list(sig.parameters)}
+    return f"def {name}{sig}:\n{body}\n", described
+
+
+def build_json(funcs: list[str] = JSON_FUNCS, id_prefix: str = "") -> list[Built]:
+    head = ("Each Python function below is described as JSON: its name, its signature, "
+            "the first paragraph of its docstring as the summary, and its parameter names.\n\n")
+    for qualname in JSON_EXAMPLE_FUNCS:
+        src, described = _describe(qualname)
+        head += f"Function:\n{src}\nJSON: {json.dumps(described)}\n\n"
+    out = []
+    for i, qualname in enumerate(funcs, 1):
+        src, _ = _describe(qualname)
+        prompt = f"{head}Function:\n{src}\nJSON: "
+        rec = record(f"{id_prefix}json-{i:02d}-{qualname}", "json", prompt, JSON_MAX_TOKENS,
+                     json_schema=JSON_SCHEMA)
+        out.append((rec, src))
+    return out
+
+
 BUILDERS: dict[str, Callable[[], list[Built]]] = {
     "code_edit": build_code_edit,
     "text_edit": build_text_edit,
     "humaneval": build_humaneval,
     "code_continue": build_code_continue,
     "open": build_open,
+    "json": build_json,
 }
 
 

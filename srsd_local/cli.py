@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -24,6 +25,18 @@ def _add_model_args(p: argparse.ArgumentParser, calibrate_flag: bool = True) -> 
                    help="layers to offload to the GPU (-1: all; needs a CUDA build)")
     p.add_argument("--n-ctx", type=int, default=None, help="context size in tokens")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    _add_rpc_args(p)
+
+
+def _add_rpc_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rpc", default=None, metavar="HOST:PORT[,HOST:PORT...]",
+                   help="split the model's layers across this machine and these `srsd-local "
+                        "rpc-worker` processes (llama.cpp's RPC backend; needs a build with "
+                        "GGML_RPC, see README 'Several machines')")
+    p.add_argument("--tensor-split", default=None, metavar="LOCAL,W1[,W2...]",
+                   help="with --rpc: the shares of the layers, this machine first, then each "
+                        "worker in --rpc order (default: equal shares)")
+    p.add_argument("--rpc-child", action="store_true", help=argparse.SUPPRESS)
 
 
 BENCH_MODES = ("ar,pld,ngram,retrieval,srsd,hybrid,lcp-pld,llama-server,llama-server-spec,"
@@ -55,6 +68,7 @@ def _add_http_args(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="let browser pages of ORIGIN (e.g. http://localhost:3000, or *) call "
                         "the API (CORS; repeatable)")
+    p.add_argument("--rpc-internal-port", type=int, default=None, help=argparse.SUPPRESS)
 
 
 def _add_max_models_arg(p: argparse.ArgumentParser) -> None:
@@ -77,6 +91,10 @@ def _engine_config(args: argparse.Namespace) -> dict:
         cfg["n_ctx"] = args.n_ctx
     if args.threads is not None:
         cfg["n_threads"] = args.threads
+    if getattr(args, "rpc", None):
+        cfg["rpc_servers"] = args.rpc
+    if getattr(args, "tensor_split", None):
+        cfg["tensor_split"] = args.tensor_split
     return cfg
 
 
@@ -115,6 +133,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         cfg.update(adaptive=False, max_nodes=16, max_branches=4)
     load = lambda: Engine.load(args.model, learned=False,  # noqa: E731
                                calibrate=_calibrate(args), **cfg)
+    if cfg.get("rpc_servers") and not args.concurrency:  # local and split, in one run
+        from .bench.rpc_bench import main_rpc_bench  # noqa: PLC0415
+        from .config import rpc_endpoints  # noqa: PLC0415
+
+        if args.modes == BENCH_MODES:
+            args.modes = "ar,srsd"
+        return main_rpc_bench(args, lambda **kw: Engine.load(
+            args.model, learned=False, calibrate=_calibrate(args), **{**cfg, **kw}),
+            rpc_endpoints(cfg["rpc_servers"]))
     if args.concurrency:
         from .bench.runner import main_concurrency, parse_levels  # noqa: PLC0415
 
@@ -249,7 +276,57 @@ def build_parser() -> argparse.ArgumentParser:
                     help="e.g. ggml-org/gemma-3-270m-it-GGUF:Q8_0 (no QUANT: Q4_K_M, or the "
                          "repo's only GGUF)")
     m.set_defaults(func=_cmd_models, models_command=None)
+
+    w = sub.add_parser("rpc-worker", help="lend this machine's CPU or GPUs to srsd-local on "
+                       "other machines (llama.cpp's RPC server; they connect with --rpc)",
+                       description="Serve this machine's devices with llama.cpp's RPC server "
+                       "until Ctrl-C. The protocol has no authentication or encryption: bind "
+                       "to an address of a trusted network only.")
+    w.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: this machine only; 0.0.0.0: every "
+                        "interface, for a trusted network only)")
+    w.add_argument("--port", type=int, default=50052)
+    w.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: all cores)")
+    w.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="keep the large tensors clients send in DIR, so that loading the same "
+                        "model again sends only their hashes (default: no cache)")
+    w.add_argument("--n-gpu-layers", type=int, default=-1,
+                   help="0: serve the CPU even when there is a GPU; otherwise (default) serve "
+                        "the GPUs when there are any, else the CPU (clients choose the layers)")
+    w.set_defaults(func=_cmd_rpc_worker)
     return parser
+
+
+def _cmd_rpc_worker(args: argparse.Namespace) -> int:
+    from .config import default_threads  # noqa: PLC0415
+    from .llama.rpc import run_worker  # noqa: PLC0415
+
+    try:
+        return run_worker(args.host, args.port, args.threads or default_threads(),
+                          args.cache_dir, args.n_gpu_layers)
+    except KeyboardInterrupt:  # ggml's server thread cannot be joined: leave at once
+        sys.stderr.flush()
+        os._exit(130)
+
+
+def _rpc_dispatch(args: argparse.Namespace, argv: list[str]) -> int | None:
+    """Commands with --rpc run in a child process (app/supervisor.py says why); None: run
+    here (no --rpc, or this is that child)."""
+    if not getattr(args, "rpc", None) or args.rpc_child:
+        return None
+    from .config import SRSDConfig  # noqa: PLC0415
+    from .llama.rpc import check_workers, require_rpc  # noqa: PLC0415
+
+    cfg = SRSDConfig(**{k: v for k, v in _engine_config(args).items()
+                        if k in ("rpc_servers", "tensor_split")})
+    require_rpc()
+    check_workers(cfg.rpc_servers)
+    from .app import supervisor  # noqa: PLC0415
+
+    if args.command in ("serve", "ui"):
+        return supervisor.run_server(argv, cfg.rpc_servers, args.host, args.port)
+    return supervisor.run_command(argv, cfg.rpc_servers)
 
 
 def _human_size(n: int) -> str:
@@ -398,11 +475,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     try:
+        rc = _rpc_dispatch(args, argv)
+        if rc is not None:
+            return rc
         return args.func(args)
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"srsd-local: error: {exc}", file=sys.stderr)

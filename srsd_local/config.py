@@ -95,6 +95,30 @@ def environment() -> Environment:
                                       home / ".cache" / "lm-studio" / "models"))
 
 
+RPC_MAX_SERVERS = 16  # ggml-rpc's GGML_RPC_MAX_SERVERS
+
+
+def rpc_endpoints(value: Any) -> tuple[str, ...]:
+    """`rpc_servers` as a tuple of "HOST:PORT" (from a comma-separated string or a sequence);
+    ValueError saying what is accepted otherwise."""
+    accepted = ('"HOST:PORT" endpoints of rpc-worker processes (a comma-separated string or a '
+                f"list, at most {RPC_MAX_SERVERS}, no repeats; IPv6 addresses are not supported "
+                "by llama.cpp's RPC backend: use a host name)")
+    items = value.split(",") if isinstance(value, str) else value
+    try:
+        items = [str(x).strip() for x in items if str(x).strip()]
+    except TypeError:
+        raise ValueError(f"invalid rpc_servers={value!r}: accepted are {accepted}") from None
+    for item in items:
+        host, sep, port = item.rpartition(":")
+        ok = bool(sep and host and ":" not in host and port.isdigit()
+                  and 0 < int(port) < 65536 and not any(c.isspace() for c in host))
+        _check(ok, "rpc_servers", item, accepted)
+    _check(len(items) <= RPC_MAX_SERVERS and len(set(items)) == len(items), "rpc_servers",
+           value, accepted)
+    return tuple(items)
+
+
 def default_threads() -> int:
     """Physical-ish core count: llama.cpp is memory bound, one thread per core is best."""
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -116,6 +140,10 @@ class SRSDConfig:
     n_seq_max: int = 0  # sequence ids; 0: parallel * (max_branches + 1), as the slots need
     n_threads: int = 0  # 0: one per available core
     n_gpu_layers: int = 0  # -1: all layers
+    # llama.cpp's RPC backend: "HOST:PORT" of `srsd-local rpc-worker` processes whose devices
+    # take a share of the layers, and the shares: [local, worker 1, ...] (default: equal)
+    rpc_servers: tuple[str, ...] = ()
+    tensor_split: tuple[float, ...] = ()
     # concurrency: requests decoded side by side in one batch (0: 4 with GPU layers, else 1),
     # and the most prompt tokens prefilled per step while other requests decode (0: as many
     # as keep that step within twice the cost of the others' step, by the cost model, at
@@ -152,6 +180,23 @@ class SRSDConfig:
         _int("prefill_chunk", self.prefill_chunk, 0)
         _int("n_threads", self.n_threads, 0)
         _int("n_gpu_layers", self.n_gpu_layers, -1)
+        object.__setattr__(self, "rpc_servers", rpc_endpoints(self.rpc_servers))
+        split = self.tensor_split
+        if isinstance(split, str):
+            try:
+                split = tuple(float(x) for x in split.split(",") if x.strip())
+            except ValueError:
+                split = (self.tensor_split,)
+        elif not isinstance(split, (tuple, list)):
+            split = (split,)
+        want = (f"{len(self.rpc_servers) + 1} numbers >= 0 (the shares of the local machine "
+                "and of each rpc_servers entry, in order), not all 0; or empty: equal shares"
+                if self.rpc_servers else "empty: a split needs rpc_servers")
+        _check(not split or (len(split) == len(self.rpc_servers) + 1 and self.rpc_servers
+                             and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                     and x >= 0 for x in split) and sum(split) > 0),
+               "tensor_split", self.tensor_split, want)
+        object.__setattr__(self, "tensor_split", tuple(float(x) for x in split))
         _check(self.mode in MODES, "mode", self.mode, "one of " + ", ".join(MODES))
         if isinstance(self.layer, float):
             _check(0.0 < self.layer < 1.0, "layer", self.layer,

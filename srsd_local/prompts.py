@@ -1,6 +1,6 @@
 """Prompt records of the JSONL workload format {id, category, prompt, max_tokens[,
-temperature, seed]}: the benchmark's workloads and the calibration set use them (data only,
-below both the engine and the benchmark)."""
+temperature, seed, json_schema]}: the benchmark's workloads and the calibration set use them
+(data only, below both the engine and the benchmark)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,12 @@ class BenchPrompt:
     max_tokens: int
     temperature: float = 0.0
     seed: int | None = None
+    json_schema: dict | None = None  # the output must satisfy this JSON schema
+
+    @property
+    def constraint(self) -> dict:
+        """The engine keyword for this prompt's output constraint (empty when none)."""
+        return {} if self.json_schema is None else {"json_schema": self.json_schema}
 
 
 def parse_line(line: str, where: str) -> BenchPrompt:
@@ -42,8 +48,11 @@ def parse_line(line: str, where: str) -> BenchPrompt:
     seed = obj.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ValueError(f"{where}: 'seed' must be an integer >= 0")
+    schema = obj.get("json_schema")
+    if schema is not None and not isinstance(schema, dict):
+        raise ValueError(f"{where}: 'json_schema' must be an object (a JSON schema)")
     return BenchPrompt(obj["id"], obj["category"], obj["prompt"], obj["max_tokens"],
-                       float(temp), seed)
+                       float(temp), seed, schema)
 
 
 def parse_workload(text: str, where: str) -> list[BenchPrompt]:

@@ -68,13 +68,15 @@ def test_builtin_workloads_load_with_provenance_fields():
         assert len(prompts) == 8 and all(p.category == name for p in prompts)
         assert len({p.id for p in prompts}) == 8
     assert all(p.temperature > 0 and p.seed is not None for p in load_workload("open"))
-    assert len(load_workload("all")) == 40
+    assert len(load_workload("all")) == 48
+    assert all(p.json_schema is not None for p in load_workload("json"))
 
 
 def test_calibration_is_a_named_workload_but_never_part_of_all():
     calib = load_workload("calibration")
     assert len(calib) == 16 and all(p.id.startswith("calib-") for p in calib)
-    assert {p.category for p in calib} == set(BUILTIN_WORKLOADS)
+    # every category but json (structured output is calibrated by use, not seeded)
+    assert {p.category for p in calib} == set(BUILTIN_WORKLOADS) - {"json"}
     everything = load_workload("all")
     assert not {p.id for p in calib} & {p.id for p in everything}
     assert not {p.prompt for p in calib} & {p.prompt for p in everything}
@@ -402,7 +404,11 @@ class FakeEngine:
         self.fail_mode = fail_mode
         self.closed = False
 
+    def forget_outputs(self) -> None:
+        self.calls.append(("forget", "", 0))
+
     def generate(self, prompt, *, max_tokens, temperature, seed, mode):
+        assert self.calls and self.calls[-1][0] == "forget", "a run after another's outputs"
         self.calls.append((prompt, mode, max_tokens))
         if mode == self.fail_mode:
             raise RuntimeError("decode failed")
@@ -435,8 +441,8 @@ def test_run_bench_interleaves_modes_warms_up_and_compares_greedy_tokens():
     peers = {"llama-server": FakePeer([7]), "llama-server-spec": FakePeer(None)}
     modes = ["ar", "pld", "llama-server", "llama-server-spec"]
     recs = run_bench(eng, prompts, modes, repeats=1, peers=peers, progress=False)
-    assert [(c[1], c[2]) for c in eng.calls] == [("ar", 16), ("pld", 16), ("ar", 20),
-                                                  ("pld", 20), ("ar", 20), ("pld", 20)]
+    assert [(c[1], c[2]) for c in eng.calls if c[0] != "forget"] == [
+        ("ar", 16), ("pld", 16), ("ar", 20), ("pld", 20), ("ar", 20), ("pld", 20)]
     assert peers["llama-server"].runs == ["warm-up", "g", "s"]
     assert [(r.prompt_id, r.mode) for r in recs] == [(p.id, m) for p in prompts for m in modes]
     same = {(r.prompt_id, r.mode): r.identical_to_ar for r in recs}
@@ -446,6 +452,36 @@ def test_run_bench_interleaves_modes_warms_up_and_compares_greedy_tokens():
     assert all(r.peer == (r.mode in SERVER_MODES) for r in recs)
     with pytest.raises(ValueError, match="no peer started for lcp-pld"):
         run_bench(eng, prompts, ["ar", "lcp-pld"], progress=False)
+
+
+def test_run_bench_constrains_json_prompts_and_checks_their_outputs():
+    from srsd_local.bench.report import summarise
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    texts = {"ar": '{"n": 1}', "srsd": '{"m": 1}'}
+
+    class JsonEngine(FakeEngine):
+        def generate(self, prompt, *, max_tokens, temperature, seed, mode, json_schema=None):
+            assert json_schema == (schema if prompt == "J" else None)
+            out = super().generate(prompt, max_tokens=max_tokens, temperature=temperature,
+                                   seed=seed, mode=mode)
+            out.text = texts[mode]
+            return out
+
+    prompts = [BenchPrompt("j", "json", "J", 4, json_schema=schema),
+               BenchPrompt("c", "code", "C", 4)]
+    recs = run_bench(JsonEngine(), prompts, ["ar", "srsd"], progress=False)
+    got = {(r.prompt_id, r.mode): (r.valid, r.invalid_reason) for r in recs}
+    assert got[("j", "ar")] == (True, None) and got[("c", "srsd")] == (None, None)
+    assert got[("j", "srsd")][0] is False and "'n' is a required" in got[("j", "srsd")][1]
+    s = summarise(recs, ["ar", "srsd"])
+    assert s["categories"]["json"]["srsd"]["valid"] == (0, 1)
+    t = table(s, ["ar", "srsd"])
+    assert "valid outputs" in t.splitlines()[0] and "| json | ar |" in t
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line for line in t.splitlines()}
+    assert rows[("json", "ar")].endswith("| 0 | 1/1 |")
+    assert rows[("json", "srsd")].endswith("| 0 | 0/1 |")
+    assert rows[("code", "ar")].endswith("| 0 | - |")
 
 
 def test_run_bench_verifies_each_distinct_greedy_output_once():

@@ -348,3 +348,15 @@ def test_a_prompt_another_slot_holds_is_copied_not_prefilled():
     assert max(sizes[n_before:]) <= extra + 1 + 32  # tail (+ A's token), never the prompt
     assert len(be.tokenize(PROMPT)) not in sizes[n_before:]
     assert eng.slots[1].n_past > len(be.tokenize(PROMPT))
+
+
+def test_forget_outputs_empties_the_shared_ngram_pool_only():
+    eng = make_engine()
+    prompt = list(range(2, 60)) * 2
+    first = eng.generate(prompt, max_tokens=40, mode="ngram")
+    pool = eng.speculator.pool
+    assert pool.n_entries > 0
+    eng.forget_outputs()
+    assert pool.n_entries == 0
+    again = eng.generate(prompt, max_tokens=40, mode="ngram")  # the prompt's cells are reused
+    assert again.token_ids == first.token_ids and again.stats.reused_prompt_tokens > 0

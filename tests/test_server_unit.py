@@ -127,6 +127,7 @@ class PublicOnly:
 
     PUBLIC = {"n_ctx", "n_vocab", "model_path", "model_name", "n_layer", "index_backend",
               "config", "parallel", "token_text", "tokenize", "apply_chat_template", "submit",
+              "tool_style", "placement",
               "stream", "generate", "chat", "reset", "close"}
 
     def __init__(self, engine) -> None:
@@ -581,13 +582,14 @@ def httpx_post(base: str, body: dict, **kw):
     return httpx.post(base + "/v1/completions", json=body, timeout=30, **kw)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("functions", [{"name": "f"}]), ("tool_choice", "required"),
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+@pytest.mark.parametrize("field,value,path", [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+     "/v1/completions"),  # tools need a chat template (tests/test_tools_unit.py: chat)
+    ("tool_choice", "required", "/v1/completions"),
+    ("functions", [{"name": "f"}], "/v1/completions"),
+    ("functions", [{"name": "f"}], "/v1/chat/completions"),
+    ("function_call", {"name": "f"}, "/v1/chat/completions"),
 ])
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_unsupported_openai_fields_are_refused_not_ignored(api, field, value, path):
     client, _ = api
     body = {"prompt": "ab"} if path == "/v1/completions" else \
@@ -595,6 +597,23 @@ def test_unsupported_openai_fields_are_refused_not_ignored(api, field, value, pa
     err = _error(client.post(path, json={**body, field: value, "max_tokens": 2}), 400, field)
     assert err["code"] == "unsupported_parameter" and "not supported yet" in err["message"]
     assert "accepted:" in err["message"]
+
+
+@pytest.mark.parametrize("extra,param,words", [
+    ({"response_format": {"type": "xml"}}, "response_format", "type 'xml' is not supported"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema", "schema is required"),
+    ({"response_format": {"type": "json_object"}, "grammar": "root ::= \"a\""}, "grammar",
+     "give one of"),
+    ({"grammar": 3}, "grammar", "GBNF"),
+])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_bad_output_constraints_are_400_naming_the_field(api, extra, param, words, path):
+    client, _ = api
+    body = {"prompt": "ab"} if path == "/v1/completions" else \
+        {"messages": [{"role": "user", "content": "ab"}]}
+    err = _error(client.post(path, json={**body, **extra, "max_tokens": 2}), 400, param)
+    assert words in err["message"]
 
 
 @pytest.mark.parametrize("extra", [{"response_format": {"type": "text"}}, {"tools": []},
@@ -621,7 +640,7 @@ def test_the_api_key_guards_every_path_but_a_minimal_health_the_ui_included():
     with TestClient(build_app(svc, ui_path="/ui")) as client:
         assert svc.ready.wait(10)
         assert client.get("/health").json() == {"status": "ok", "model": "fake"}
-        chat = {"data": ["the cat", [], "", "ar", 0.0, 4]}
+        chat = {"data": ["the cat", [], "", "ar", 0.0, 4, ""]}
         for method, path, body in (("GET", "/metrics", None), ("GET", "/docs", None),
                                    ("GET", "/openapi.json", None), ("GET", "/v1/models", None),
                                    ("GET", "/ui/", None), ("GET", "/ui/config", None),
@@ -663,7 +682,7 @@ def test_the_ui_runs_every_event_through_the_queue_so_none_holds_the_engine():
     svc = Service(_public_engine, model_id="fake")
     with TestClient(build_app(svc, ui_path="/ui")) as client:
         assert svc.ready.wait(10)
-        chat = {"data": ["the cat", [], "", "ar", 0.0, 4]}
+        chat = {"data": ["the cat", [], "", "ar", 0.0, 4, ""]}
         for route in ("run", "api"):
             assert client.post(f"/ui/gradio_api/{route}/chat", json=chat).status_code == 404
         for _ in range(2):
@@ -1250,7 +1269,7 @@ def test_the_ui_picker_lists_and_switches_models():
         assert choices == ["a", "b", "c", "bad"] and picker["value"] == "a"
         status = call("switch_model", ["b"])[0]
         assert "Loaded b" in status and svc.model_id == "b"
-        assert _ui_chat(client, {"data": ["the cat", [], "", "ar", 0.0, 4]}, {}
+        assert _ui_chat(client, {"data": ["the cat", [], "", "ar", 0.0, 4, ""]}, {}
                         )[0][-1]["role"] == "assistant"
         r = client.post("/ui/gradio_api/call/switch_model", json={"data": ["bad"]})
         r = client.get(f"/ui/gradio_api/call/switch_model/{r.json()['event_id']}")

@@ -3,6 +3,7 @@ in headless Chromium."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -54,7 +55,7 @@ def test_page_serves(ui_url):
 def test_chat_streams_reply_and_stats(gclient, engine):
     # plain decoding repeats exactly, so the UI's reply must equal the engine's
     out = gclient.predict("Write a Python function that adds two numbers.", [], "", "ar",
-                          0.0, 40, api_name="/chat")
+                          0.0, 40, "", api_name="/chat")
     history, cleared, stats, tokens = out[:4]
     assert cleared == ""
     assert history[0]["role"] == "user" and history[-1]["role"] == "assistant"
@@ -68,7 +69,7 @@ def test_chat_streams_reply_and_stats(gclient, engine):
     assert "".join(p["token"] if isinstance(p, dict) else p[0] for p in pieces) == ref.text
     # with SRSD on a reply that repeats its input, some tokens come from accepted drafts
     prompt = "Repeat exactly: " + " ".join(["alpha beta gamma delta"] * 6)
-    out = gclient.predict(prompt, [], "", "srsd", 0.0, 60, api_name="/chat")
+    out = gclient.predict(prompt, [], "", "srsd", 0.0, 60, "", api_name="/chat")
     assert "mode srsd" in out[2]
     pieces = out[3] if isinstance(out[3], list) else out[3].get("value", out[3])
     labels = [p.get("class_or_confidence") if isinstance(p, dict) else p[1] for p in pieces]
@@ -77,7 +78,7 @@ def test_chat_streams_reply_and_stats(gclient, engine):
 
 def test_edit_streams_result_and_diff(gclient, engine):
     instr = "rename result to value"
-    edited, stats, diff = gclient.predict(CODE, instr, "python", "ar", api_name="/edit")[:3]
+    edited, stats, diff = gclient.predict(CODE, instr, "python", "ar", "", api_name="/edit")[:3]
     ref = engine.generate(edit_prompt(CODE, instr, "python"), stop=edit_stop(instr, "python"),
                           max_tokens=edit_max_tokens(len(engine.tokenize(CODE))), mode="ar")
     assert edited.rstrip("\n") == ref.text.rstrip("\n") and edited.strip()
@@ -88,7 +89,7 @@ def test_edit_streams_result_and_diff(gclient, engine):
 def test_editor_renames_on_the_default_base_model(gclient):
     # the few-shot prompt makes the base model really edit: "value" where "result" was
     edited, _stats, diff = gclient.predict(CODE, "rename result to value", "python", "srsd",
-                                           api_name="/edit")[:3]
+                                           "", api_name="/edit")[:3]
     assert edited.rstrip("\n") == CODE.replace("result", "value").rstrip("\n"), edited
     assert diff != "(no changes)" and "-    result = width * height" in diff
     assert "+    value = width * height" in diff and "+    return value" in diff
@@ -105,7 +106,7 @@ def test_edit_prompt_is_few_shot_and_ends_where_the_edit_starts():
 
 def test_compare_shows_both_speeds(gclient):
     edited, stats, diff, md = gclient.predict(CODE, "rename width to w", "python",
-                                              api_name="/compare")
+                                              "", api_name="/compare")
     assert "| ar |" in md and "| srsd |" in md and "Speed-up" in md
     assert edited.strip() and "tokens/s" in stats
 
@@ -114,10 +115,30 @@ def test_chat_error_is_a_message_not_a_dead_page(gclient, ui_url):
     from gradio_client.exceptions import AppError
 
     with pytest.raises(AppError, match="Type a message"):
-        gclient.predict("   ", [], "", "srsd", 0.0, 10, api_name="/chat")
-    out = gclient.predict("Hi", [], "", "ar", 0.0, 5, api_name="/chat")
+        gclient.predict("   ", [], "", "srsd", 0.0, 10, "", api_name="/chat")
+    out = gclient.predict("Hi", [], "", "ar", 0.0, 5, "", api_name="/chat")
     assert out[0][-1]["role"] == "assistant"
     assert httpx.get(ui_url, timeout=30).status_code == 200
+
+
+def test_chat_and_editor_take_an_optional_json_schema(gclient):
+    from gradio_client.exceptions import AppError
+
+    schema = ('{"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, '
+              '"required": ["answer"]}')
+    out = gclient.predict("Is water wet? Answer in JSON.", [], "", "srsd", 0.0, 40, schema,
+                          api_name="/chat")
+    reply = out[0][-1]["content"]
+    reply = reply if isinstance(reply, str) else "".join(p.get("text", "") for p in reply)
+    assert json.loads(reply)["answer"] in ("yes", "no")
+    with pytest.raises(AppError, match="JSON schema: not valid JSON"):
+        gclient.predict("Hi", [], "", "ar", 0.0, 5, "{nope", api_name="/chat")
+    with pytest.raises(AppError, match="invalid json_schema at properties/answer"):
+        gclient.predict("Hi", [], "", "ar", 0.0, 5,
+                        '{"properties": {"answer": {"type": 5}}}', api_name="/chat")
+    edited = gclient.predict('{"name": "x"}', "rename the key name to title", "text", "srsd",
+                             '{"type": "object", "required": ["title"]}', api_name="/edit")[0]
+    assert "title" in json.loads(edited)
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -145,14 +166,14 @@ def test_cancelling_a_chat_stops_the_generation(gclient):
     import time as _time
 
     job = gclient.submit("Tell me a very long story about a dragon.", [], "", "srsd", 0.9,
-                         2048, api_name="/chat")
+                         2048, "", api_name="/chat")
     deadline = _time.time() + 60
     while not job.outputs() and _time.time() < deadline:
         _time.sleep(0.1)
     assert job.outputs(), "the chat did not start streaming"
     job.cancel()
     t0 = _time.time()
-    out = gclient.predict("Hi", [], "", "ar", 0.0, 5, api_name="/chat")
+    out = gclient.predict("Hi", [], "", "ar", 0.0, 5, "", api_name="/chat")
     assert out[0][-1]["role"] == "assistant"
     # 2048 tokens take ~20 s here: the cancelled generation did not run to the end
     assert _time.time() - t0 < 10
@@ -180,7 +201,7 @@ def test_model_picker_lists_and_switches_models(ui_url, gclient, engine, model_p
         assert f"Loaded {SECOND_MODEL}" in status, status
         assert _ui_call(ui_url, "models", [])[0]["value"] == SECOND_MODEL
         msgs = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
-        out = gclient.predict(msgs[0]["content"], [], "", "ar", 0.0, 24, api_name="/chat")
+        out = gclient.predict(msgs[0]["content"], [], "", "ar", 0.0, 24, "", api_name="/chat")
         reply = out[0][-1]["content"]
         reply = reply if isinstance(reply, str) else "".join(p.get("text", "") for p in reply)
         # the same weights; the chat box drops the reply's trailing whitespace

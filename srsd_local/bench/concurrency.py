@@ -185,6 +185,8 @@ def run_concurrency(engine: Any, prompts: Sequence[BenchPrompt], levels: Sequenc
         client = _peer_client(peers[mode]) if mode in peers else _engine_client(engine, mode)
         client(warm)
         for c in levels:
+            if mode not in peers:  # no level may draft from an earlier level's outputs
+                engine.forget_outputs()
             results.append(run_level(client, prompts, c, mode))
     rows = [lv.summary() for lv in results]
     for r in rows:

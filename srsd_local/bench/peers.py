@@ -17,6 +17,7 @@ way the engine is timed (README.md, "Benchmarks"; results in docs/benchmarks.md)
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import socket
 import subprocess
@@ -114,8 +115,13 @@ class LcpPeer:
             llm.set_seed(p.seed)
         out: list[int] = []
         t_first = None
+        grammar = None
+        if p.json_schema is not None:
+            from llama_cpp.llama_grammar import LlamaGrammar  # noqa: PLC0415
+
+            grammar = LlamaGrammar.from_json_schema(json.dumps(p.json_schema), verbose=False)
         for tok in llm.generate(tokens, temp=p.temperature, top_k=0, top_p=1.0, min_p=0.0,
-                                repeat_penalty=1.0, reset=True):
+                                repeat_penalty=1.0, reset=True, grammar=grammar):
             if llama_cpp.llama_vocab_is_eog(llm._model.vocab, tok):
                 break
             out.append(tok)
@@ -192,6 +198,8 @@ def completion_request(p: BenchPrompt) -> dict[str, Any]:
     }
     if p.seed is not None:
         body["seed"] = p.seed
+    if p.json_schema is not None:
+        body["json_schema"] = p.json_schema
     return body
 
 

@@ -33,13 +33,16 @@ class RunRecord:
     identical_to_ar: bool | None = None  # greedy prompts only
     peer: bool = False
     verify: dict[str, Any] | None = None  # VerifyReport.to_dict() (greedy, when checked)
+    valid: bool | None = None  # the output satisfies the prompt's JSON schema (when it has one)
+    invalid_reason: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"prompt_id": self.prompt_id, "category": self.category, "mode": self.mode,
                 "repeat": self.repeat, "peer": self.peer, "tokens": self.stats.tokens,
                 "seconds": self.stats.seconds, "identical_to_ar": self.identical_to_ar,
                 "token_ids": self.token_ids, "stats": self.stats.to_dict(),
-                "verify": self.verify}
+                "verify": self.verify, "valid": self.valid,
+                "invalid_reason": self.invalid_reason}
 
 
 def verify_totals(reports: Iterable[dict[str, Any] | None]) -> dict[str, Any] | None:
@@ -70,6 +73,7 @@ def aggregate(recs: Iterable[RunRecord], mode: str) -> dict[str, Any]:
     t = GenerationStats.total((r.stats for r in recs), mode=mode)
     peer = any(r.peer for r in recs)
     same = [r.identical_to_ar for r in recs if r.identical_to_ar is not None]
+    valid = [r.valid for r in recs if r.valid is not None]
     plain_steps = len(t.tree_sizes) - t.drafts
     secs = t.seconds
 
@@ -94,6 +98,8 @@ def aggregate(recs: Iterable[RunRecord], mode: str) -> dict[str, Any]:
         "host_ms_tree": t.host_ms_tree if t.drafts else None,
         "prompt_tokens": t.prompt_tokens, "prompt_seconds": t.prompt_seconds,
         "identical_to_ar": (sum(same), len(same)) if same else None,
+        "forced_tokens": None if peer else t.forced_tokens,
+        "valid": (sum(valid), len(valid)) if valid else None,
         "verify": verify_totals(r.verify for r in recs),
     }
 
@@ -132,10 +138,12 @@ def table(summary: dict[str, Any], modes: Sequence[str]) -> str:
     per verified tree, greedy outputs identical to ar, and the check against plain decoding at
     every position: positions checked / mismatches / worst mismatch gap / rounding noise."""
     spec = SPEC_PEER in modes
+    constrained = any(b[m]["valid"] is not None for _, b in _blocks(summary) for m in modes)
     cols = ["category", "mode", "tokens/s", "speedup vs ar"]
     cols += [f"speedup vs {SPEC_PEER}"] if spec else []
     cols += ["tokens/step", "acceptance", "host ms / plain step", "host ms / tree", "same as ar",
              "checked / mismatches / worst gap / noise"]
+    cols += ["grammar-forced tokens", "valid outputs"] if constrained else []
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for cat, block in _blocks(summary):
         for m in modes:
@@ -148,6 +156,9 @@ def table(summary: dict[str, Any], modes: Sequence[str]) -> str:
                       _fmt(a["host_ms_plain"], ".3f"), _fmt(a["host_ms_tree"], ".3f"),
                       "-" if same is None else f"{same[0]}/{same[1]}",
                       _verify_cell(a["verify"])]
+            if constrained:
+                v = a["valid"]
+                cells += [_fmt(a["forced_tokens"], "d"), "-" if v is None else f"{v[0]}/{v[1]}"]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import MODES
+from ..llama.grammar import ConstraintSpec
 from .peers import (
     PEER_MODES,
     SERVER_MODES,
@@ -47,7 +48,7 @@ def parse_modes(text: str) -> list[str]:
     return modes
 
 
-Verifier = Callable[[str, list[int]], Any]  # (prompt, output ids) -> a VerifyReport
+Verifier = Callable[..., Any]  # (prompt, output ids[, json_schema=]) -> a VerifyReport
 
 
 def run_bench(engine: Any, prompts: Sequence[BenchPrompt], modes: Sequence[str],
@@ -67,14 +68,27 @@ def run_bench(engine: Any, prompts: Sequence[BenchPrompt], modes: Sequence[str],
     def one(p: BenchPrompt, mode: str, repeat: int) -> RunRecord:
         if mode in peers:
             res = peers[mode].run(p)
-            return RunRecord(p.id, p.category, mode, repeat, res.to_stats(mode), res.token_ids,
-                             peer=True)
-        out = engine.generate(p.prompt, max_tokens=p.max_tokens, temperature=p.temperature,
-                              seed=p.seed, mode=mode)
-        return RunRecord(p.id, p.category, mode, repeat, out.stats, list(out.token_ids))
+            rec = RunRecord(p.id, p.category, mode, repeat, res.to_stats(mode), res.token_ids,
+                            peer=True)
+            text = None
+            if p.json_schema is not None and res.token_ids is not None:
+                text = engine.backend.detokenize(res.token_ids)
+        else:
+            # no run may draft from another run's output of the same prompt (the n-gram
+            # pool keeps outputs across requests); the prompt's KV cells stay for reuse
+            engine.forget_outputs()
+            out = engine.generate(p.prompt, max_tokens=p.max_tokens, temperature=p.temperature,
+                                  seed=p.seed, mode=mode, **p.constraint)
+            rec = RunRecord(p.id, p.category, mode, repeat, out.stats, list(out.token_ids))
+            text = out.text
+        if p.json_schema is not None and text is not None:  # untimed
+            problem = ConstraintSpec("json_schema", "", p.json_schema).validate(text)
+            rec.valid, rec.invalid_reason = problem is None, problem
+        return rec
 
     first = prompts[0]
-    warm = BenchPrompt("warm-up", "warm-up", first.prompt, min(16, first.max_tokens))
+    warm = BenchPrompt("warm-up", "warm-up", first.prompt, min(16, first.max_tokens),
+                       json_schema=first.json_schema)
     for mode in modes:  # excluded from timing
         one(warm, mode, -1)
     records: list[RunRecord] = []
@@ -85,7 +99,7 @@ def run_bench(engine: Any, prompts: Sequence[BenchPrompt], modes: Sequence[str],
             return
         key = (p.id, tuple(rec.token_ids))
         if key not in checked:
-            checked[key] = verify(p.prompt, rec.token_ids).to_dict()
+            checked[key] = verify(p.prompt, rec.token_ids, **p.constraint).to_dict()
         rec.verify = checked[key]
 
     bar = tqdm(total=len(prompts) * len(modes) * repeats, desc="bench", unit="run",

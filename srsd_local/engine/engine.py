@@ -41,13 +41,22 @@ from .. import store
 from ..config import SamplingParams, SRSDConfig
 from ..llama.backend import Backend, ContextFullError
 from ..llama.chat import render_chat
+from ..llama.grammar import Constraint, ConstraintSpec, GrammarState, SpaceStyle
 from ..llama.models import resolve_model
+from ..llama.tools import tool_style
 from ..spec.acceptance import AcceptanceModel
 from ..spec.cost import CostModel
-from ..spec.draft import DraftInput
+from ..spec.draft import GRAMMAR, DraftInput
 from ..spec.index import VectorIndex
-from ..spec.sampling import MAX_TOP_LOGPROBS, Sampler, TokenLogprob, token_logprob
+from ..spec.sampling import (
+    MAX_TOP_LOGPROBS,
+    ConstrainedSampler,
+    Sampler,
+    TokenLogprob,
+    token_logprob,
+)
 from ..spec.speculator import SEED_TRIALS, Request, Speculator
+from ..spec.tree import TokenTree
 from ..spec.verify import walk_tree
 from .calibrate import CALIBRATED_FIELDS, calibrate_first_use, load_calibration_file
 from .emit import Emitter, check_stop
@@ -77,6 +86,8 @@ class GenerationResult:
 
 
 CHUNK_MIN, CHUNK_MAX = 16, 512  # automatic prompt chunks while other requests decode
+FORCED_CHARS = 64  # characters a grammar may force per step (drafted, then verified)
+MAX_CONSTRAINTS = 16  # compiled grammars kept per engine
 
 
 class Engine:
@@ -98,6 +109,7 @@ class Engine:
         self._worker_lock = threading.Lock()
         self._inbox: queue.Queue[_Job | None] = queue.Queue()
         self._tick = 0  # requests admitted, for least-recently-used slots
+        self._constraints: dict[str, Constraint] = {}  # compiled grammars, by GBNF text
         # a recurrent or hybrid model cannot roll back part of a sequence: plain steps only
         self.plain_only = not getattr(backend, "can_speculate", True)
         if self.plain_only:
@@ -150,7 +162,8 @@ class Engine:
         """Change retrieval / tree settings between generations (validated; the layer and
         context settings need a new Engine)."""
         fixed = {"layer", "n_ctx", "n_batch", "n_ubatch", "n_seq_max", "n_threads",
-                 "n_gpu_layers", "index_backend", "parallel"} & set(changes)
+                 "n_gpu_layers", "index_backend", "parallel", "rpc_servers",
+                 "tensor_split"} & set(changes)
         if fixed:
             raise ValueError(f"{sorted(fixed)} cannot change on a loaded engine; load a new one")
         self.config = self.config.with_(**changes)
@@ -184,6 +197,12 @@ class Engine:
     @property
     def model_name(self) -> str:
         return self.backend.name
+
+    @property
+    def placement(self) -> list[dict[str, str]] | None:
+        """Which device holds which layers ({device, description, where, layers}; where is
+        "local" or an RPC worker's HOST:PORT), when known."""
+        return getattr(self.backend, "placement", None)
 
     @property
     def model_path(self) -> str:
@@ -223,8 +242,23 @@ class Engine:
     def tokenize(self, text: str, add_bos: bool = True) -> list[int]:
         return self.backend.tokenize(text, add_bos=add_bos)
 
-    def apply_chat_template(self, messages: Sequence[dict[str, Any]]) -> str:
-        return render_chat(self.backend, messages)
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]],
+                            tools: Sequence[dict[str, Any]] | None = None) -> str:
+        """The prompt of a conversation, by the model's chat template; OpenAI-style `tools`
+        are rendered by a template that supports them (else a ValueError says so)."""
+        return render_chat(self.backend, messages, tools=tools)
+
+    def tool_style(self) -> str | None:
+        """How the model's chat template offers tools: "tagged" (calls in <tool_call> tags),
+        "json" (calls as bare JSON) or None (it does not render tools)."""
+        return tool_style(self.backend.chat_template())
+
+    def forget_outputs(self) -> None:
+        """Empty the n-gram pool that earlier generations filled (their outputs are drafted
+        from across requests); a benchmark calls it so that no run drafts from another run's
+        output of the same prompt."""
+        with self._lock:
+            self.speculator.forget_outputs()
 
     def reset(self) -> None:
         """Forget every slot's context (KV cache and index): the next call prefills from
@@ -254,7 +288,8 @@ class Engine:
     def _job(self, prompt: str | Sequence[int], max_tokens: int = 256,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
              seed: int | None = None, stop: str | Sequence[str] | None = None,
-             mode: str | None = None, logprobs: int | None = None) -> _Job:
+             mode: str | None = None, logprobs: int | None = None, grammar: str | None = None,
+             json_schema: Any = None) -> _Job:
         """A validated request (every argument error is raised here, before it runs)."""
         mode = self.config.mode if mode is None else mode
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
@@ -268,22 +303,41 @@ class Engine:
         req = self.speculator.begin(mode, params.greedy)
         stops = check_stop(stop)
         tokens = self._check_prompt(prompt)
-        return _Job(tokens, max_tokens, params, req, stops, logprobs)
+        return _Job(tokens, max_tokens, params, req, stops, logprobs,
+                    self.constraint(grammar, json_schema))
+
+    def constraint(self, grammar: str | None = None, json_schema: Any = None
+                   ) -> GrammarState | None:
+        """A fresh position at the start of a GBNF grammar or a JSON schema (None for
+        neither); a bad one raises GrammarError (a ValueError) saying what is wrong."""
+        spec = ConstraintSpec.make(grammar, json_schema)
+        if spec is None:
+            return None
+        with self._worker_lock:
+            compiled = self._constraints.pop(spec.gbnf, None) or Constraint(self.backend, spec)
+            self._constraints[spec.gbnf] = compiled  # most recently used last
+            while len(self._constraints) > MAX_CONSTRAINTS:
+                del self._constraints[next(iter(self._constraints))]
+            return compiled.start()
 
     def stream(self, prompt: str | Sequence[int], max_tokens: int = 256,
                temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                min_p: float = 0.0, seed: int | None = None,
                stop: str | Sequence[str] | None = None,
-               mode: str | None = None, logprobs: int | None = None
+               mode: str | None = None, logprobs: int | None = None,
+               grammar: str | None = None, json_schema: Any = None
                ) -> Iterator[StreamEvent]:
         """Generate from `prompt` (text, or token ids including BOS); yields StreamEvents.
 
         `logprobs`: None (off), or how many most likely alternatives to report with each
         emitted token's log-probability (0..20); with speculation they come from the rows the
-        verification pass computed anyway. While `submit()` serves requests from its thread,
-        this submits too (the request then shares batches with the others)."""
+        verification pass computed anyway. `grammar` (GBNF, llama.cpp's grammar format) or
+        `json_schema` (a dict or JSON text) constrains the output: every token is chosen from
+        the tokens the constraint admits, and what it forces is drafted. While `submit()`
+        serves requests from its thread, this submits too (the request then shares batches
+        with the others)."""
         job = self._job(prompt, max_tokens, temperature, top_p, top_k, min_p, seed, stop, mode,
-                        logprobs)
+                        logprobs, grammar, json_schema)
         if self._worker is not None:
             yield from self._follow(self._enqueue(job))
             return
@@ -306,12 +360,14 @@ class Engine:
     def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:
         return collect(self.stream(prompt, **kwargs))
 
-    def verify_output(self, prompt: str | Sequence[int], tokens: Sequence[int]) -> VerifyReport:
+    def verify_output(self, prompt: str | Sequence[int], tokens: Sequence[int],
+                      grammar: str | None = None, json_schema: Any = None) -> VerifyReport:
         """Check a greedy output of `prompt` against plain decoding at every position, with
-        the rounding noise measured in the same call (see engine/verify.py). Resets the
-        context."""
+        the rounding noise measured in the same call (see engine/verify.py); with `grammar`
+        or `json_schema`, against plain constrained decoding. Resets the context."""
+        state = self.constraint(grammar, json_schema)
         with self._lock:
-            return verify_tokens(self, prompt, tokens)
+            return verify_tokens(self, prompt, tokens, constraint=state)
 
     def generate_many(self, prompts: Sequence[str | Sequence[int] | dict[str, Any]],
                       **kwargs: Any) -> list[GenerationResult]:
@@ -623,6 +679,10 @@ class Engine:
         last_logits, stats.reused_prompt_tokens = yield from self._prefill(job)
         job.decoding = True
         x = sampler(last_logits)
+        style = None
+        if job.grammar is not None:
+            style = SpaceStyle()
+            style.feed(be.piece(x).decode("utf-8", "replace"))
         t1 = time.perf_counter()
         stats.prompt_seconds = t1 - t0
         if job.max_tokens == 0:
@@ -647,10 +707,14 @@ class Engine:
             n = slot.n_past
             ta, out0 = time.perf_counter(), job.outside
             room = 0 if self.plain_only else self.speculator.room(req, slot.n_ctx - n - 2)
-            plan = self.speculator.propose(
-                req, DraftInput(slot.ctx[:n], x, slot.last_hidden,
-                                slot.index if req.uses_index else None), room,
-                offset=job.batch_offset, gain=job.batch_gain) if room else None
+            inp = None
+            if room:
+                inp = DraftInput(slot.ctx[:n], x, slot.last_hidden,
+                                 slot.index if req.uses_index else None)
+                if job.grammar is not None:
+                    self._constrain_draft(inp, job, style)
+            plan = self.speculator.propose(req, inp, room, offset=job.batch_offset,
+                                           gain=job.batch_gain) if room else None
             job.expected_tokens = 1.0 if plan is None else 1.0 + plan.expected_accepted
             tb = time.perf_counter()
 
@@ -693,20 +757,63 @@ class Engine:
                 t = plan.tree
                 stats.observe_step(len(t), len(path) - 1, drafted=t.n_draft,
                                    forecast=plan.probs[1:],
-                                   forecast_depths=t.depths[1:len(plan.probs)], **times)
+                                   forecast_depths=t.depths[1:len(plan.probs)], **times,
+                                   forced=sum(1 for i in path[1:] if t.origin[i] & GRAMMAR))
             pending = path_tokens[1:] + [y]
+            if style is not None:
+                said = b"".join(be.piece(t) for t in pending).decode("utf-8", "replace")
+                style.feed(said)
+                # what the grammar forced beyond what was just emitted is still forced
+                forced = job.forced_text
+                job.forced_text = forced[len(said):] if forced.startswith(said) else ""
             drafted = [True] * (len(path) - 1) + [False]
             if n_lp is not None:  # pending[i] was drawn from the row of node path[i]
                 lps = [token_logprob(w.logits[node], tok, n_lp)
                        for node, tok in zip(path, pending)]
             x = y
 
-    def chat_stream(self, messages: Sequence[dict[str, Any]], **kwargs: Any
-                    ) -> Iterator[StreamEvent]:
-        return self.stream(self.apply_chat_template(messages), **kwargs)
+    def _constrain_draft(self, inp: DraftInput, job: _Job, style: SpaceStyle) -> None:
+        """Under a grammar: draft what it forces next (left over from the last step when
+        the output followed it, else found anew), and let it veto drafted nodes."""
+        state = job.grammar
+        text = job.forced_text
+        if len(text) < FORCED_CHARS // 4:
+            text = job.forced_text = state.forced_text(FORCED_CHARS, style.space_after,
+                                                       style.last)
+        be, depth = self.backend, self.config.draft_depth
+        if text:
+            inp.forced = be.tokenize(text, add_bos=False, special=False)
 
-    def chat(self, messages: Sequence[dict[str, Any]], **kwargs: Any) -> GenerationResult:
-        return collect(self.chat_stream(messages, **kwargs))
+        def constrain(tree: TokenTree, budget: int) -> TokenTree:
+            keep, leaves = state.prune(tree.tokens, tree.parents)
+            where: dict[int, int] = {}
+            out = tree.subtree(keep, where)
+            # what the grammar forces after a drafted leaf follows it in the same branch
+            for old, after in sorted(leaves.items(), key=lambda kv: -tree.weights[kv[0]]):
+                room = min(budget - out.n_draft, depth - tree.depths[old])
+                if budget - out.n_draft <= 0:
+                    break
+                if room <= 0:
+                    continue
+                prev = be.piece(tree.tokens[old]).decode("utf-8", "replace")[-1:]
+                tail = after.forced_text(FORCED_CHARS // 4, style.space_after, prev)
+                if tail:
+                    toks = be.tokenize(tail, add_bos=False, special=False)[:room]
+                    out.extend(where[old], toks, GRAMMAR)
+            return out
+
+        inp.constrain = constrain
+
+    def chat_stream(self, messages: Sequence[dict[str, Any]],
+                    tools: Sequence[dict[str, Any]] | None = None, **kwargs: Any
+                    ) -> Iterator[StreamEvent]:
+        return self.stream(self.apply_chat_template(messages, tools=tools), **kwargs)
+
+    def chat(self, messages: Sequence[dict[str, Any]],
+             tools: Sequence[dict[str, Any]] | None = None, **kwargs: Any) -> GenerationResult:
+        """`tools` are rendered by the chat template; `srsd_local.llama.tools` parses the
+        calls out of the text (`parse_tool_calls`) and forces one (`tool_call_grammar`)."""
+        return collect(self.chat_stream(messages, tools=tools, **kwargs))
 
 
 @dataclass
@@ -722,10 +829,14 @@ class _Job:
     events it produced that the caller has not taken yet."""
 
     def __init__(self, tokens: list[int], max_tokens: int, params: SamplingParams,
-                 req: Request, stops: list[str], logprobs: int | None) -> None:
+                 req: Request, stops: list[str], logprobs: int | None,
+                 grammar: GrammarState | None = None) -> None:
         self.tokens, self.max_tokens, self.params = tokens, max_tokens, params
         self.req, self.stops, self.logprobs = req, stops, logprobs
-        self.sampler = Sampler(params)
+        self.grammar = grammar  # the output constraint's position, advanced by the sampler
+        self.forced_text = ""  # what the grammar forces after the last emitted token
+        self.sampler = Sampler(params) if grammar is None else ConstrainedSampler(params,
+                                                                                  grammar)
         self.stats = GenerationStats(mode=req.mode, prompt_tokens=len(tokens), steps=1)
         self.slot: Slot | None = None
         self.gen: Generator[Work, None, None] | None = None

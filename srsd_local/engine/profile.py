@@ -42,6 +42,8 @@ def profile_name(backend: Backend, cfg: SRSDConfig) -> tuple[str, str, list[int]
     key = "|".join(str(v) for v in ("v3", store.file_key(backend.model_path), machine_id(),
                                     ",".join(device_names()), cfg.threads, cfg.n_gpu_layers,
                                     backend.n_batch, sizes))
+    if cfg.rpc_servers:  # a split across RPC workers costs what their network and devices do
+        key += f"|rpc={','.join(cfg.rpc_servers)}|split={cfg.tensor_split}"
     return hashlib.sha1(key.encode()).hexdigest() + ".json", key, sizes
 
 

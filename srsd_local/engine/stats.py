@@ -28,6 +28,7 @@ class GenerationStats:
     drafts: int = 0  # steps that verified a tree
     draft_tokens: int = 0  # drafted nodes verified
     accepted_tokens: int = 0  # drafted nodes accepted
+    forced_tokens: int = 0  # accepted nodes an output constraint forced (grammar drafts)
     accepted_per_depth: list[int] = field(default_factory=list)  # accepted at depth d+1
     predicted_per_depth: list[float] = field(default_factory=list)  # controller's forecast
     tokens_per_step: list[int] = field(default_factory=list)
@@ -41,12 +42,12 @@ class GenerationStats:
     def observe_step(self, decoded: int, accepted: int, *, drafted: int = 0,
                      forecast: Sequence[float] = (), forecast_depths: Sequence[int] = (),
                      draft: float = 0.0, verify: float = 0.0, index: float = 0.0,
-                     host: float = 0.0) -> None:
+                     host: float = 0.0, forced: int = 0) -> None:
         """One forward pass: `decoded` tokens went through the model (1: a plain step),
         `drafted` of them were drafted nodes and `accepted` of those were accepted;
         `forecast` are the controller's acceptance probabilities of the drafted nodes (at
         `forecast_depths`); the times are seconds spent in each phase, `host` the part of
-        the step spent outside llama_decode."""
+        the step spent outside llama_decode; `forced` accepted nodes a grammar forced."""
         self.steps += 1
         self.tokens_per_step.append(accepted + 1)
         self.tree_sizes.append(decoded)
@@ -54,6 +55,7 @@ class GenerationStats:
             self.drafts += 1
             self.draft_tokens += drafted
             self.accepted_tokens += accepted
+            self.forced_tokens += forced
             add_per_depth(self.accepted_per_depth, [1] * accepted, range(1, accepted + 1))
             add_per_depth(self.predicted_per_depth, forecast, forecast_depths)
         self.time_draft += draft

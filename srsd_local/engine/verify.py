@@ -25,6 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from ..spec.sampling import best_allowed
+
 TOP = 8  # candidates per position at which one-token and batched rows are compared
 
 
@@ -62,10 +64,13 @@ class VerifyReport:
 
 
 def verify_tokens(engine: Any, prompt: str | Sequence[int], tokens: Sequence[int],
-                  chunks: Sequence[int] = (4, 8, 16, 32)) -> VerifyReport:
+                  chunks: Sequence[int] = (4, 8, 16, 32), constraint: Any = None
+                  ) -> VerifyReport:
     """Check `tokens` (an output of `prompt`, greedy) against plain greedy decoding at every
-    position (see the module docstring). Uses the engine's context: it is reset before and
-    after, so the next generation prefills from scratch."""
+    position (see the module docstring); with `constraint` (a grammar position at the start
+    of the output, see llama/grammar.py), against plain constrained decoding: plain's token
+    is then the best token the grammar admits. Uses the engine's context: it is reset before
+    and after, so the next generation prefills from scratch."""
     if not chunks or any(c < 1 for c in chunks):
         raise ValueError(f"chunks={chunks!r}: accepted are batch sizes >= 1")
     be = engine.backend
@@ -93,7 +98,14 @@ def verify_tokens(engine: Any, prompt: str | Sequence[int], tokens: Sequence[int
         one_vals: list[np.ndarray] = []
         for i, tok in enumerate(tokens):
             row = first if i == 0 else be.step(tokens[i - 1]).logits[0]
-            top = int(np.argmax(row))
+            if constraint is None:
+                top = int(np.argmax(row))
+            else:
+                top = best_allowed(row, constraint)
+                if not constraint.allows(tok):
+                    raise ValueError(f"output token {tok} at position {i} is not admitted by "
+                                     "the grammar: this output does not satisfy it")
+                constraint.accept(tok)
             if top != tok:
                 report.mismatches.append(i)
                 report.gaps.append(float(row[top] - row[tok]))

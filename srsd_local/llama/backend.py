@@ -113,6 +113,16 @@ class Backend:
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = 10**6 if config.n_gpu_layers < 0 else config.n_gpu_layers
         mparams.progress_callback = _NO_PROGRESS(L)
+        # which device holds which layer ({device, description, where, layers}), when known
+        self.placement: list[dict[str, str]] | None = None
+        if config.rpc_servers:  # layers split across this machine and RPC workers
+            from .rpc import configure_model_params  # noqa: PLC0415
+
+            devices = configure_model_params(L, mparams, config, self.model_path)
+            self.placement = devices.placement
+        elif config.n_gpu_layers == 0:
+            self.placement = [{"device": "CPU", "description": "this machine's CPU",
+                               "where": "local", "layers": "all"}]
         self.model = L.llama_model_load_from_file(self.model_path.encode(), mparams)
         if not self.model:
             raise ValueError(f"llama.cpp could not load the model {self.model_path!r} "

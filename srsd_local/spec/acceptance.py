@@ -56,10 +56,14 @@ class AcceptanceModel:
     bonus: float = 0.15
     counts: dict = field(default_factory=dict)  # key -> [accepted, tried]
 
+    forced_prior: float = 0.95  # nodes an output grammar forces: only a tokenization or a
+    # whitespace guess can miss (the counts correct it)
+
     def _post(self, ev: NodeEvidence, source: str, greedy: bool) -> tuple[float, float]:
         coarse, fine = ev.keys(source, greedy)
         a, n_coarse = self.counts.get(coarse, (0, 0))
-        qc = (a + self.strength * self.prior) / (n_coarse + self.strength)
+        prior = self.forced_prior if "grammar" in coarse[0] else self.prior
+        qc = (a + self.strength * prior) / (n_coarse + self.strength)
         a, n = self.counts.get(fine, (0, 0))
         return (a + self.strength * qc) / (n + self.strength), n_coarse
 

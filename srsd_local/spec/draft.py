@@ -3,6 +3,7 @@ token tree rooted at the known next token. Pure numpy."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -14,7 +15,8 @@ from .tree import TokenTree
 
 Proposal = tuple[np.ndarray, float, int]
 # draft sources: their bits in TokenTree.origin, and the names the acceptance model keys by
-ORIGINS = {1: "srsd", 2: "ngram", 4: "pld"}
+ORIGINS = {1: "srsd", 2: "ngram", 4: "pld", 8: "grammar"}
+GRAMMAR = 8  # the bit of drafts a grammar forces (see DraftInput.forced)
 
 
 @lru_cache(maxsize=64)
@@ -30,6 +32,11 @@ class DraftInput:
     root: int  # the known next token (position n), not yet in the KV cache
     query: np.ndarray | None  # hidden row of position n-1
     index: VectorIndex | None
+    # what an output constraint forces after the root (drafted as the heaviest path)
+    forced: Sequence[int] = ()
+    # an output constraint applied to a drafted tree within a node budget: the nodes it
+    # cannot emit dropped, what it forces after a leaf added
+    constrain: Callable[[TokenTree, int], TokenTree] | None = None
 
 
 class Drafter:
@@ -57,9 +64,13 @@ class Drafter:
         for (path, weight, agree), origin in self.tagged(inp):
             if len(path):
                 tree.insert(path[: cfg.draft_depth], weight, agree, origin)
+        if len(inp.forced):
+            tree.insert(list(inp.forced)[: cfg.draft_depth], 1.0 + tree.weights[0],
+                        _MAX_AGREE, GRAMMAR)
         budget = cfg.max_nodes if max_nodes is None else max_nodes
-        if tree.n_draft <= budget and max(tree.depths) <= cfg.draft_depth:
-            leaves = sum(1 for i in range(len(tree)) if not tree.children(i))
-            if leaves <= cfg.max_branches:
-                return tree
-        return tree.prune(budget, cfg.draft_depth, cfg.max_branches)
+        if tree.n_draft > budget or max(tree.depths) > cfg.draft_depth or sum(
+                1 for i in range(len(tree)) if not tree.children(i)) > cfg.max_branches:
+            tree = tree.prune(budget, cfg.draft_depth, cfg.max_branches)
+        if inp.constrain is not None and tree.n_draft:
+            tree = inp.constrain(tree, budget)
+        return tree

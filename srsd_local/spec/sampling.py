@@ -8,6 +8,7 @@ seeded generator, in the same order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -87,6 +88,93 @@ class Sampler:
             return int(np.argmax(logits))
         ids, p = distribution(logits, self.params)
         return int(ids[_pick(p, self.rng.random())])
+
+
+class Constraint(Protocol):
+    """A grammar position (see llama/grammar.py): which tokens may come next, and advancing
+    along the chosen one."""
+
+    def mask(self, ids: np.ndarray) -> np.ndarray: ...
+
+    def accept(self, token: int) -> None: ...
+
+
+class DeadEndError(ValueError):
+    """The constraint admits no token of the vocabulary here."""
+
+
+BAND = 8.0  # logits below the best token: where the best admitted token is looked for first
+MAX_BAND = 4096  # candidates in that band checked at most (the best ones)
+CUTOFF = 30.0  # logits (x temperature) below the best admitted token that still count
+
+
+def _best_first(x: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """ids ordered by logit, highest first (ties: the lowest id)."""
+    return ids[np.lexsort((ids, -x[ids]))]
+
+
+def best_allowed(x: np.ndarray, allowed: Constraint) -> int:
+    """The highest-logit token the constraint admits (ties: the lowest id). The candidates
+    are checked best first in growing chunks: the top token alone (the usual case: one
+    check), then the tokens within BAND logits of it (at most the MAX_BAND best, ties
+    included), then the rest of the vocabulary."""
+    top = int(np.argmax(x))
+    if allowed.mask(np.asarray([top], dtype=np.int32))[0]:
+        return top
+    m = x[top]
+    band = np.flatnonzero(x >= m - BAND).astype(np.int32)
+    if len(band) > MAX_BAND:  # every token at least as high as the MAX_BAND-th, ties included
+        kth = np.partition(x[band], len(band) - MAX_BAND)[len(band) - MAX_BAND]
+        band = band[x[band] >= kth]
+    band = _best_first(x, band)
+    start = 1  # band[0] is the top token
+    for end in (16, 256, len(band)):
+        chunk = band[start:end]
+        if len(chunk):
+            ok = allowed.mask(chunk)
+            if ok.any():
+                return int(chunk[int(np.argmax(ok))])
+        start = max(start, end)
+    rest = np.ones(x.shape[0], dtype=bool)
+    rest[band] = False
+    rest = np.flatnonzero(rest).astype(np.int32)  # ascending: a stable sort keeps ties by id
+    rest = rest[np.argsort(-x[rest], kind="stable")]
+    for lo, hi in ((0, 4096), (4096, 65536), (65536, len(rest))):
+        chunk = rest[lo:hi]
+        if len(chunk):
+            ok = allowed.mask(chunk)
+            if ok.any():
+                return int(chunk[int(np.argmax(ok))])
+    raise DeadEndError("the grammar admits no token here (it cannot be completed)")
+
+
+class ConstrainedSampler(Sampler):
+    """A Sampler over the constraint-masked distribution; every token it picks is accepted
+    into the constraint (each pick is emitted, so the grammar follows the output).
+
+    Greedy: the best admitted token. Sampling: the processed distribution (top-k,
+    temperature, min-p, top-p, in that order) of the admitted tokens, as if every other
+    logit were -inf; admitted tokens more than CUTOFF x temperature logits below the best
+    admitted one (e^-30 times less likely) are left out of the candidates."""
+
+    def __init__(self, params: SamplingParams, constraint: Constraint) -> None:
+        super().__init__(params)
+        self.constraint = constraint
+
+    def __call__(self, logits: np.ndarray) -> int:
+        x = np.asarray(logits, dtype=np.float32).reshape(-1)
+        c = self.constraint
+        best = best_allowed(x, c)
+        if self.params.greedy:
+            tok = best
+        else:
+            floor = x[best] - CUTOFF * max(self.params.temperature, 1e-6)
+            cand = np.flatnonzero(x >= floor).astype(np.int32)
+            cand = cand[c.mask(cand)]
+            ids, p = distribution(x[cand], self.params)
+            tok = int(cand[ids[_pick(p, self.rng.random())]])
+        c.accept(tok)
+        return tok
 
 
 @dataclass(frozen=True)

@@ -67,14 +67,18 @@ class Speculator:
         self._explored_at = -EXPLORE_GAP  # cost.steps at the last exploratory plan
         self._surprises = 0  # cost.surprises when last looked at
 
-    @staticmethod
-    def _make_drafters(config: SRSDConfig) -> dict[str, Drafter | None]:
-        pool = NgramModDrafter(config)  # one n-gram pool serves every mode that uses it
-        return {m: make_drafter(m, config, pool) for m in MODES}
+    def _make_drafters(self, config: SRSDConfig) -> dict[str, Drafter | None]:
+        self.pool = NgramModDrafter(config)  # one n-gram pool serves every mode that uses it
+        return {m: make_drafter(m, config, self.pool) for m in MODES}
 
     def reconfigure(self, config: SRSDConfig) -> None:
         self.config = config
         self.drafters = self._make_drafters(config)
+
+    def forget_outputs(self) -> None:
+        """Empty the n-gram pool (what earlier generations wrote), e.g. so that a benchmark
+        run cannot draft from another run's output of the same prompt."""
+        self.pool.reset()
 
     def begin(self, mode: str, greedy: bool) -> Request:
         if mode not in MODES:
@@ -94,7 +98,8 @@ class Speculator:
         drafter = self.drafters[req.mode]
         if drafter is None or room <= 0:
             return None
-        if req.skip > 0:  # the controller kept declining: look again later, not every step
+        if req.skip > 0 and not len(inp.forced):  # the controller kept declining: look
+            # again later, not every step (unless a grammar forces the next tokens)
             req.skip -= 1
             return None
         tree = drafter.draft(inp, max_nodes=room)

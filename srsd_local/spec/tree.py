@@ -131,6 +131,31 @@ class TokenTree:
             push_children(old, out.graft(new_parent, self, old))
         return out
 
+    def subtree(self, keep: Sequence[bool], index: dict[int, int] | None = None) -> TokenTree:
+        """The nodes with keep[i] true (the root always; a node whose parent is dropped is
+        dropped too), statistics included; `index` (when given) receives old -> new node
+        numbers."""
+        out = TokenTree(self.tokens[0])
+        out.weights[0], out.counts[0], out.origin[0] = (self.weights[0], self.counts[0],
+                                                        self.origin[0])
+        new = {0: 0} if index is None else index
+        new[0] = 0
+        for i in range(1, len(self.tokens)):
+            par = new.get(self.parents[i])
+            if keep[i] and par is not None:
+                new[i] = out.graft(par, self, i)
+        return out
+
+    def extend(self, node: int, tokens: Sequence[int], origin: int) -> None:
+        """A chain of tokens under `node` (a leaf), carrying its statistics (weight, drafts,
+        agreement) and the source bit `origin`: a continuation that follows from the node
+        itself, such as what a grammar forces after it."""
+        for tok in tokens:
+            new = self.add_node(node, int(tok), self.weights[node])
+            self.counts[new], self.agree[new] = self.counts[node], self.agree[node]
+            self.origin[new] = origin
+            node = new
+
     def layout(self) -> TreeLayout:
         leaf_branch: dict[int, int] = {}
         seq_ids: list[list[int]] = [[] for _ in self.tokens]

@@ -1,4 +1,5 @@
-"""Benchmark workloads: JSONL files of {id, category, prompt, max_tokens[, temperature, seed]}.
+"""Benchmark workloads: JSONL files of {id, category, prompt, max_tokens[, temperature, seed,
+json_schema]}.
 
 The files next to this module are the built-in workloads (how they were built and from which
 public sources: docs/workloads.md). `calibration` is a named workload for `srsd-local
@@ -15,7 +16,7 @@ from pathlib import Path
 from ...prompts import BenchPrompt, parse_line, parse_workload
 
 # what `--workload all` runs, in this order
-BUILTIN_WORKLOADS = ("code_edit", "text_edit", "humaneval", "code_continue", "open")
+BUILTIN_WORKLOADS = ("code_edit", "text_edit", "humaneval", "code_continue", "open", "json")
 CALIBRATION_WORKLOAD = "calibration"
 WORKLOAD_NAMES = BUILTIN_WORKLOADS + (CALIBRATION_WORKLOAD,)
 __all__ = ["BUILTIN_WORKLOADS", "CALIBRATION_WORKLOAD", "WORKLOAD_NAMES", "BenchPrompt",

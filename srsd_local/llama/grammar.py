@@ -1,0 +1,292 @@
+"""Output constraints on llama.cpp's own grammar engine: GBNF grammars, JSON schemas (through
+llama-cpp-python's JSON-schema-to-GBNF converter) and "any JSON object".
+
+`Constraint` is a validated, compiled constraint (one per distinct grammar, cached);
+`GrammarState` is one request's position in it: which tokens may come next (`mask`), advance
+along an emitted token (`accept`), copy for a tree branch (`clone`). llama.cpp's grammar
+sampler does the matching; this module only feeds it candidate tokens, a few at a time:
+checking all 262k tokens of a vocabulary costs about 0.1 s, one token about 7 us.
+
+`forced_text` finds what the grammar admits next when there is no choice (keys of a schema,
+punctuation, closing brackets): those characters are drafted, and verified like any draft.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .backend import _llama
+
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+# characters probed for forced text: every printable ASCII character and the whitespace
+PROBE_CHARS = [chr(c) for c in range(32, 127)] + ["\n", "\t"]
+_STDERR_LOCK = threading.Lock()
+
+
+class GrammarError(ValueError):
+    """A grammar or JSON schema that cannot be used; the message says what is wrong."""
+
+
+def _stderr_of(fn: Callable[[], Any]) -> tuple[Any, str]:
+    """Run fn with file descriptor 2 captured (llama.cpp's grammar parser prints its errors
+    there); returns (result, what it printed)."""
+    with _STDERR_LOCK, tempfile.TemporaryFile() as tmp:
+        saved = os.dup(2)
+        try:
+            os.dup2(tmp.fileno(), 2)
+            result = fn()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        tmp.seek(0)
+        return result, tmp.read().decode("utf-8", "replace")
+
+
+def schema_to_gbnf(schema: Any) -> str:
+    """A JSON schema (dict or JSON text) -> GBNF; a bad schema raises GrammarError."""
+    from jsonschema import Draft202012Validator, SchemaError  # noqa: PLC0415
+    from llama_cpp.llama_grammar import json_schema_to_gbnf  # noqa: PLC0415
+
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise GrammarError(f"json_schema is not valid JSON: {exc}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise GrammarError("json_schema must be a JSON object (a JSON schema), got "
+                           f"{type(schema).__name__}")
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as exc:
+        where = "/".join(str(p) for p in exc.path) or "(top level)"
+        raise GrammarError(f"invalid json_schema at {where}: {exc.message}") from None
+    try:
+        gbnf = json_schema_to_gbnf(json.dumps(schema))
+    except Exception as exc:  # noqa: BLE001 - the converter raises assorted errors
+        raise GrammarError(f"json_schema cannot be turned into a grammar: {exc}") from None
+    # JSON strings cannot hold raw control characters; the converter's `char` rule admits
+    # them (a raw newline would make the output invalid JSON), so exclude them
+    return gbnf.replace(_LOOSE_CHAR, _JSON_CHAR)
+
+
+_LOOSE_CHAR = 'char ::= [^"\\\\] |'
+_JSON_CHAR = 'char ::= [^"\\\\\\x00-\\x1F\\x7F] |'
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """What a request asked for: a GBNF grammar, or a JSON schema, or any JSON object."""
+
+    kind: str  # "grammar" | "json_schema" | "json_object"
+    gbnf: str
+    schema: Any = None  # the JSON schema (for validating outputs), when there is one
+
+    @classmethod
+    def make(cls, grammar: str | None = None, json_schema: Any = None,
+             json_object: bool = False) -> ConstraintSpec | None:
+        """The one constraint given (None if none); two at once is an error."""
+        given = [n for n, v in (("grammar", grammar), ("json_schema", json_schema),
+                                ("json_object", json_object or None)) if v is not None]
+        if len(given) > 1:
+            raise GrammarError(f"give one of grammar, json_schema, json_object, not "
+                               f"{' and '.join(given)}")
+        if grammar is not None:
+            if not isinstance(grammar, str) or not grammar.strip():
+                raise GrammarError("grammar must be a non-empty GBNF string (llama.cpp's "
+                                   "grammar format, with a rule named root)")
+            return cls("grammar", grammar)
+        if json_schema is not None:
+            return cls("json_schema", schema_to_gbnf(json_schema), json_schema)
+        if json_object:
+            return cls("json_object", schema_to_gbnf({"type": "object"}), {"type": "object"})
+        return None
+
+    def validate(self, text: str) -> str | None:
+        """None if `text` satisfies the JSON schema (or is any JSON object for json_object),
+        else what is wrong. Grammars are not checked here (the decoder enforces them)."""
+        if self.kind == "grammar":
+            return None
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            return f"not JSON: {exc}"
+        from jsonschema import Draft202012Validator  # noqa: PLC0415
+
+        errors = sorted(Draft202012Validator(self.schema).iter_errors(value), key=str)
+        return errors[0].message if errors else None
+
+
+class Constraint:
+    """A compiled grammar for one model's vocabulary; `start()` gives a fresh state."""
+
+    def __init__(self, backend: Any, spec: ConstraintSpec) -> None:
+        L = _llama()
+        self.spec = spec
+        self._vocab_size = backend.n_vocab
+        ptr, err = _stderr_of(lambda: L.llama_sampler_init_grammar(
+            backend.vocab, spec.gbnf.encode(), b"root"))
+        if not ptr:
+            detail = " ".join(line.strip() for line in err.splitlines()
+                              if "error" in line.lower()) or "llama.cpp could not parse it"
+            raise GrammarError(f"invalid {spec.kind}: {detail}")
+        self._root = GrammarState(ptr, self)
+        self.probe_ids, self.probe_chars = _probe_tokens(backend)
+        # a quick first check: two of these admitted means free text, nothing forced
+        self.sentinels = np.asarray([self.probe_ids[self.probe_chars.index(c)]
+                                     for c in "ae01" if c in self.probe_chars], dtype=np.int32)
+        self.eog = [t for t in (backend.eos_token,) if t >= 0]
+
+    def start(self) -> GrammarState:
+        return self._root.clone()
+
+
+_PROBES: dict[int, tuple[np.ndarray, list[str]]] = {}
+
+
+def _probe_tokens(backend: Any) -> tuple[np.ndarray, list[str]]:
+    """The single-character tokens of PROBE_CHARS that the vocabulary has (cached per
+    vocabulary)."""
+    key = id(backend.vocab)
+    if key not in _PROBES:
+        ids, chars = [], []
+        for c in PROBE_CHARS:
+            toks = backend.tokenize(c, add_bos=False, special=False)
+            if len(toks) == 1 and backend.piece(toks[0]) == c.encode():
+                ids.append(toks[0])
+                chars.append(c)
+        _PROBES[key] = (np.asarray(ids, dtype=np.int32), chars)
+    return _PROBES[key]
+
+
+class GrammarState:
+    """One position in a grammar (a llama.cpp grammar sampler of its own)."""
+
+    def __init__(self, ptr: Any, owner: Constraint) -> None:
+        self._ptr = ptr
+        self.owner = owner
+        self._buf = np.zeros(0, dtype=_TOKEN_DATA)
+
+    def __del__(self) -> None:
+        ptr, self._ptr = getattr(self, "_ptr", None), None
+        if ptr:
+            try:
+                _llama().llama_sampler_free(ptr)
+            except Exception:  # noqa: BLE001 - interpreter shutdown
+                pass
+
+    def clone(self) -> GrammarState:
+        return GrammarState(_llama().llama_sampler_clone(self._ptr), self.owner)
+
+    def mask(self, ids: np.ndarray) -> np.ndarray:
+        """Which of the token ids the grammar admits next (bool array)."""
+        n = len(ids)
+        if len(self._buf) < n:
+            self._buf = np.zeros(max(n, 2 * len(self._buf)), dtype=_TOKEN_DATA)
+        buf = self._buf[:n]
+        buf["id"] = ids
+        buf["logit"] = 0.0
+        L = _llama()
+        arr = L.llama_token_data_array(
+            data=buf.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), size=n, selected=-1,
+            sorted=False)
+        L.llama_sampler_apply(self._ptr, ctypes.byref(arr))
+        return np.isfinite(buf["logit"])
+
+    def allows(self, token: int) -> bool:
+        return bool(self.mask(np.asarray([token], dtype=np.int32))[0])
+
+    def accept(self, token: int) -> None:
+        """Advance along `token`, which must be admitted (`allows`): llama.cpp aborts on a
+        token its grammar rejects."""
+        _llama().llama_sampler_accept(self._ptr, int(token))
+
+    def forced_text(self, max_chars: int, space_after: Callable[[str], bool],
+                    prev: str = "") -> str:
+        """The characters the grammar admits next when it admits one non-space character
+        (optional whitespace is drafted the way `space_after(previous char)` says the output
+        so far writes it); stops at a real choice or after max_chars."""
+        owner = self.owner
+        ids, chars = owner.probe_ids, owner.probe_chars
+        if not len(ids) or self.mask(owner.sentinels).sum() >= 2:
+            return ""  # free text (a string, a number): nothing is forced
+        eog = np.asarray(owner.eog, dtype=np.int32)
+        st = self.clone()
+        out: list[str] = []
+        for _ in range(max_chars):
+            ok = st.mask(ids)
+            allowed = [chars[i] for i in np.flatnonzero(ok)]
+            solid = [c for c in allowed if not c.isspace()]
+            if len(solid) > 1 or (not solid and not allowed):
+                break
+            if len(eog) and st.mask(eog).any():
+                break  # the output may end here
+            if solid and len(allowed) == 1:
+                c = solid[0]
+            elif solid:  # one character, with optional whitespace before it
+                c = " " if " " in allowed and space_after(prev) else solid[0]
+            elif len(allowed) == 1:
+                c = allowed[0]
+            else:
+                break
+            st.accept(int(ids[chars.index(c)]))
+            out.append(c)
+            prev = c
+        return "".join(out)
+
+    def prune(self, tokens: Sequence[int], parents: Sequence[int]
+              ) -> tuple[list[bool], dict[int, GrammarState]]:
+        """For a token tree given as (tokens, parents; node 0 the root, already accepted in
+        this state; parents before children): which nodes the grammar admits along their
+        path (a node under a rejected one is rejected), and the state after each admitted
+        leaf."""
+        n = len(tokens)
+        keep = [False] * n
+        keep[0] = True
+        states: dict[int, GrammarState] = {0: self}
+        children: dict[int, list[int]] = {}
+        for i in range(1, n):
+            children.setdefault(parents[i], []).append(i)
+        for node in range(n):
+            if not keep[node] or node not in children:
+                continue
+            st = states.pop(node)
+            kids = children[node]
+            ok = st.mask(np.asarray([tokens[k] for k in kids], dtype=np.int32))
+            for k, good in zip(kids, ok):
+                if good:
+                    keep[k] = True
+                    child = st.clone()
+                    child.accept(tokens[k])
+                    states[k] = child
+        leaves = {k: s for k, s in states.items() if k not in children and k != 0}
+        return keep, leaves
+
+
+
+class SpaceStyle:
+    """How the output so far writes optional whitespace: after which punctuation it puts a
+    space (learned from the emitted text; before any evidence: after ':' and ',')."""
+
+    def __init__(self) -> None:
+        self.after: dict[str, bool] = {}
+        self.last = ""  # the last character emitted
+
+    def feed(self, text: str) -> None:
+        t = self.last + text
+        for a, b in zip(t, t[1:]):
+            if not (a.isspace() or a.isalnum()):
+                self.after[a] = b == " "
+        if t:
+            self.last = t[-1]
+
+    def space_after(self, c: str) -> bool:
+        return self.after.get(c, c in ":,")

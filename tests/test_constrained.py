@@ -1,0 +1,151 @@
+"""Output constraints on the real default model: JSON schemas and GBNF grammars through the
+engine and the server, speculative modes against plain constrained decoding at every
+position, grammar-forced drafts, and the errors for bad constraints."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from srsd_local.bench.workloads import load_workload
+from srsd_local.llama.grammar import ConstraintSpec, GrammarError
+
+pytestmark = pytest.mark.model
+
+JSON_PROMPTS = load_workload("json")[:2]
+SCHEMA = JSON_PROMPTS[0].json_schema
+# a grammar whose literal part is long: every token of it is forced
+LITERAL = "The answer, in one word, is: "
+GBNF = f'root ::= "{LITERAL}" ("yes" | "no" | "maybe") "."'
+
+
+def _admitted_throughout(engine, tokens, **constraint) -> bool:
+    """Every token of an output is admitted by the constraint after the ones before it."""
+    state = engine.constraint(**constraint)
+    for t in tokens:
+        if not state.allows(t):
+            return False
+        state.accept(t)
+    return True
+
+
+@pytest.mark.parametrize("p", JSON_PROMPTS, ids=lambda p: p.id)
+def test_schema_outputs_of_every_mode_are_valid_and_equal_plain_constrained_decoding(engine, p):
+    spec = ConstraintSpec.make(json_schema=p.json_schema)
+    for mode in ("ar", "srsd", "ngram", "retrieval"):
+        out = engine.generate(p.prompt, max_tokens=p.max_tokens, mode=mode,
+                              json_schema=p.json_schema)
+        if out.finish_reason == "stop":
+            assert spec.validate(out.text) is None, (mode, out.text)
+        assert _admitted_throughout(engine, out.token_ids, json_schema=p.json_schema)
+        rep = engine.verify_output(p.prompt, out.token_ids, json_schema=p.json_schema)
+        assert rep.ok, (mode, rep.summary())
+        if mode == "srsd":
+            assert out.stats.forced_tokens > 0, "no grammar-forced draft was accepted"
+
+
+def test_a_forced_literal_is_drafted_and_accepted(engine):
+    prompt = "Question: is water wet?\n"
+    plain = engine.generate(prompt, max_tokens=40, mode="ar", grammar=GBNF)
+    fast = engine.generate(prompt, max_tokens=40, mode="srsd", grammar=GBNF)
+    for out in (plain, fast):
+        assert out.text.startswith(LITERAL) and out.text.endswith(".")
+        assert out.text[len(LITERAL):-1] in ("yes", "no", "maybe")
+        assert out.finish_reason == "stop"  # the grammar ended: only end-of-text was left
+    assert fast.stats.forced_tokens >= len(engine.tokenize(LITERAL, add_bos=False)) - 2
+    assert fast.stats.steps < plain.stats.steps
+    rep = engine.verify_output(prompt, fast.token_ids, grammar=GBNF)
+    assert rep.ok, rep.summary()
+
+
+def test_unconstrained_argmax_is_refused_where_the_grammar_forbids_it(engine):
+    """Plain decoding of this prompt starts with a token the grammar does not admit: the
+    constrained output differs from the unconstrained one, and verify_output without the
+    grammar reports the mismatch that the grammar explains."""
+    prompt = "def add(a, b):\n"
+    free = engine.generate(prompt, max_tokens=8, mode="ar")
+    bound = engine.generate(prompt, max_tokens=40, mode="ar", grammar=GBNF)
+    assert not free.text.startswith(LITERAL[:3]) and bound.text.startswith(LITERAL)
+    assert not engine.verify_output(prompt, bound.token_ids).ok
+    assert engine.verify_output(prompt, bound.token_ids, grammar=GBNF).ok
+
+
+def test_sampled_constrained_outputs_follow_the_constraint(engine):
+    p = JSON_PROMPTS[0]
+    for mode in ("ar", "srsd"):
+        for seed in (1, 2):
+            out = engine.generate(p.prompt, max_tokens=96, mode=mode, temperature=0.8,
+                                  seed=seed, json_schema=p.json_schema)
+            assert _admitted_throughout(engine, out.token_ids, json_schema=p.json_schema)
+            again = engine.generate(p.prompt, max_tokens=96, mode=mode, temperature=0.8,
+                                    seed=seed, json_schema=p.json_schema)
+            assert again.token_ids[:8] == out.token_ids[:8]  # the seed reproduces the start
+
+
+def test_json_strings_cannot_hold_raw_control_characters(engine):
+    state = engine.constraint(json_schema={"type": "object", "properties": {
+        "a": {"type": "string"}}, "required": ["a"]})
+    for t in engine.tokenize('{"a": "x', add_bos=False):
+        assert state.allows(t)
+        state.accept(t)
+    newline = engine.tokenize("\n", add_bos=False)
+    assert len(newline) == 1 and not state.allows(newline[0])
+    assert state.allows(engine.tokenize("y", add_bos=False)[0])
+
+
+def test_bad_grammars_and_schemas_name_the_problem(engine):
+    with pytest.raises(GrammarError, match="Undefined rule identifier 'value'"):
+        engine.generate("x", max_tokens=2, grammar="root ::= value")
+    with pytest.raises(GrammarError, match="invalid json_schema at properties/a"):
+        engine.generate("x", max_tokens=2, json_schema={"properties": {"a": {"type": 1}}})
+    out = engine.generate("x", max_tokens=4, mode="ar")  # the engine still works
+    assert out.finish_reason in ("stop", "length")
+
+
+def test_json_object_mode_emits_one_object(engine):
+    out = engine.generate("A JSON object describing a cat:\n", max_tokens=120, mode="srsd",
+                          json_schema={"type": "object"})
+    assert _admitted_throughout(engine, out.token_ids, json_schema={"type": "object"})
+    if out.finish_reason == "stop":
+        assert isinstance(json.loads(out.text), dict)
+
+
+# -- the server -------------------------------------------------------------------------------
+def test_server_structured_outputs(api_server, engine):
+    import httpx
+    from conftest import API_KEY
+
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    base = api_server["base"]
+    p = JSON_PROMPTS[1]
+    body = {"prompt": p.prompt, "max_tokens": p.max_tokens, "temperature": 0,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "function", "schema": p.json_schema}}}
+    r = httpx.post(base + "/v1/completions", json=body, headers=auth, timeout=300)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    if choice["finish_reason"] == "stop":
+        assert ConstraintSpec.make(json_schema=p.json_schema).validate(choice["text"]) is None
+    ids = engine.tokenize(choice["text"], add_bos=False)
+    assert engine.verify_output(p.prompt, ids, json_schema=p.json_schema).ok
+
+    chat = {"messages": [{"role": "user", "content": "Is water wet?"}], "max_tokens": 40,
+            "temperature": 0, "grammar": GBNF}
+    r = httpx.post(base + "/v1/chat/completions", json=chat, headers=auth, timeout=300)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"].startswith(LITERAL)
+
+    bad = {**body, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}}
+    r = httpx.post(base + "/v1/completions", json=bad, headers=auth, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "response_format" and "properties/a/type" in err["message"]
+    r = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2,
+                                                   "grammar": "root ::= ("},
+                   headers=auth, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "grammar", r.text
+    r = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                   headers=auth, timeout=60)
+    assert r.status_code == 200, r.text  # still serving

@@ -1,0 +1,219 @@
+"""Output constraints, the pure logic: constrained sampling over a mask, the tree filter, the
+forced-draft path, whitespace style, schema checks and the workload field (no model)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from srsd_local.config import SamplingParams, SRSDConfig
+from srsd_local.llama.grammar import ConstraintSpec, GrammarError, SpaceStyle
+from srsd_local.prompts import parse_line
+from srsd_local.spec.draft import GRAMMAR, Drafter, DraftInput
+from srsd_local.spec.sampling import (
+    CUTOFF,
+    ConstrainedSampler,
+    DeadEndError,
+    best_allowed,
+    distribution,
+)
+from srsd_local.spec.tree import TokenTree
+
+
+class SetConstraint:
+    """Admits a fixed set of token ids; records what it accepted and how many were checked."""
+
+    def __init__(self, allowed: set[int]) -> None:
+        self.allowed = allowed
+        self.accepted: list[int] = []
+        self.checked = 0
+
+    def mask(self, ids: np.ndarray) -> np.ndarray:
+        self.checked += len(ids)
+        return np.asarray([int(i) in self.allowed for i in ids], dtype=bool)
+
+    def accept(self, token: int) -> None:
+        assert token in self.allowed, "a rejected token was accepted"
+        self.accepted.append(token)
+
+
+def test_best_allowed_is_the_masked_argmax_and_checks_few_when_the_top_is_allowed():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=5000).astype(np.float32)
+    order = np.argsort(-x)
+    c = SetConstraint({int(order[0])})
+    assert best_allowed(x, c) == order[0]
+    assert c.checked == 1
+    for rank in (1, 7, 300, 4999):  # the best admitted token lies deeper and deeper
+        allowed = {int(t) for t in order[rank:]}
+        c = SetConstraint(allowed)
+        assert best_allowed(x, c) == order[rank]
+        masked = np.where(np.isin(np.arange(len(x)), list(allowed)), x, -np.inf)
+        assert best_allowed(x, SetConstraint(allowed)) == int(np.argmax(masked))
+
+
+def test_best_allowed_ties_go_to_the_lowest_id_and_a_dead_end_says_so():
+    x = np.zeros(10, dtype=np.float32)
+    x[[3, 6, 8]] = 2.0
+    assert best_allowed(x, SetConstraint({6, 8})) == 6
+    with pytest.raises(DeadEndError, match="admits no token"):
+        best_allowed(x, SetConstraint(set()))
+
+
+def test_constrained_greedy_accepts_each_pick():
+    x = np.array([5.0, 4.0, 3.0, 2.0], dtype=np.float32)
+    c = SetConstraint({1, 3})
+    s = ConstrainedSampler(SamplingParams(), c)
+    assert s(x) == 1 and s(x) == 1
+    assert c.accepted == [1, 1]
+
+
+def _chi_p(draws: list[int], expected: dict[int, float]) -> float:
+    """Chi-square p-value of draws against token -> probability (small cells pooled)."""
+    n = len(draws)
+    keys = sorted(expected)
+    obs = np.asarray([draws.count(k) for k in keys], dtype=float)
+    exp = np.asarray([expected[k] * n for k in keys])
+    big = exp >= 5  # chi-square needs expected counts >= 5: pool the rest
+    obs = np.append(obs[big], obs[~big].sum())
+    exp = np.append(exp[big], exp[~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    exp *= obs.sum() / exp.sum()  # float rounding of p
+    return float(chisquare(obs, exp).pvalue)
+
+
+def _masked_case(params: SamplingParams) -> tuple[np.ndarray, set[int], dict[int, float]]:
+    """A row, an admitted set, and the processed distribution of the masked row (every other
+    logit -inf), computed independently with `distribution` on the admitted tokens."""
+    rng = np.random.default_rng(7)
+    x = rng.normal(scale=1.5, size=40).astype(np.float32)
+    allowed = {int(t) for t in rng.choice(40, size=15, replace=False)}
+    ids = np.asarray(sorted(allowed))
+    sub_ids, p = distribution(x[ids], params)
+    return x, allowed, dict(zip(ids[sub_ids].tolist(), p.tolist()))
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, seed=1),
+    SamplingParams(temperature=0.7, top_k=4, seed=2),
+    SamplingParams(temperature=1.3, top_p=0.8, seed=3),
+    SamplingParams(temperature=0.9, min_p=0.1, seed=4),
+])
+def test_constrained_sampling_draws_the_masked_distribution(params):
+    x, allowed, expected = _masked_case(params)
+    s = ConstrainedSampler(params, SetConstraint(allowed))
+    draws = [s(x) for _ in range(6000)]
+    assert set(draws) <= set(expected)  # never a rejected or filtered token
+    assert _chi_p(draws, expected) > 1e-3
+
+
+def test_the_chi_square_tells_mask_first_from_mask_after_truncation():
+    """Masking after top-k (truncate the whole row, then drop rejected tokens) is another
+    distribution; the check above must reject it."""
+    params = SamplingParams(temperature=0.7, top_k=8, seed=2)
+    x, allowed, expected = _masked_case(params)
+    ids, p = distribution(x, params)
+    keep = np.asarray([int(i) in allowed for i in ids])
+    ids, p = ids[keep], p[keep] / p[keep].sum()
+    rng = np.random.default_rng(11)
+    draws = [int(t) for t in rng.choice(ids, size=6000, p=p)]
+    assert _chi_p(draws, expected) < 1e-3
+
+
+def test_cutoff_leaves_out_only_hopeless_tokens():
+    x = np.array([0.0, -CUTOFF - 1.0, -5.0], dtype=np.float32)
+    c = SetConstraint({0, 1, 2})
+    s = ConstrainedSampler(SamplingParams(temperature=1.0, seed=0), c)
+    draws = {s(x) for _ in range(300)}
+    assert 1 not in draws and draws <= {0, 2}
+
+
+def test_subtree_keeps_admitted_nodes_and_drops_orphans():
+    t = TokenTree(1)
+    t.insert([2, 3, 4], 1.0, 3, 1)
+    t.insert([2, 5], 0.5, 2, 2)
+    t.insert([6], 0.25, 1, 1)
+    # nodes: 0 root, 1:'2', 2:'3', 3:'4', 4:'5', 5:'6'
+    keep = [True, True, False, True, True, True]
+    s = t.subtree(keep)
+    assert [s.path_tokens(i) for i in range(1, len(s))] == [[2], [2, 5], [6]]
+    assert s.weights[1] == t.weights[1] and s.origin[2] == t.origin[4]
+
+
+def test_forced_draft_is_the_heaviest_path_and_admits_filters():
+    cfg = SRSDConfig(draft_depth=4, max_nodes=6, max_branches=2)
+
+    class Two(Drafter):
+        origin = 1
+
+        def propose(self, inp):
+            return [(np.asarray([7, 8, 9]), 0.9, 3), (np.asarray([5, 6]), 0.8, 2)]
+
+    inp = DraftInput(np.asarray([1, 2], np.int32), 3, None, None, forced=[5, 6, 10, 11, 12])
+    tree = Two(cfg).draft(inp)
+    assert tree.path_tokens(tree.child(0, 5)) == [5]
+    deepest = max(range(len(tree)), key=lambda i: tree.depths[i])
+    assert tree.path_tokens(deepest) == [5, 6, 10, 11]  # cut at draft_depth
+    assert tree.origin[tree.child(0, 5)] & GRAMMAR and tree.origin[tree.child(0, 5)] & 1
+    # a constraint that rejects token 8 drops 8 and everything under it, and forces 3, 4
+    # after token 7
+    def constrain(t, budget):
+        where = {}
+        out = t.subtree([i == 0 or t.tokens[i] != 8 for i in range(len(t))], where)
+        seven = t.child(0, 7)
+        out.extend(where[seven], [3, 4][: budget - out.n_draft], GRAMMAR)
+        return out
+
+    inp.constrain = constrain
+    tree = Two(cfg).draft(inp)
+    assert 8 not in tree.tokens and 9 not in tree.tokens and 7 in tree.tokens
+    tail = tree.child(tree.child(0, 7), 3)
+    assert tree.path_tokens(tail) == [7, 3] and tree.origin[tail] == GRAMMAR
+    assert tree.n_draft <= cfg.max_nodes
+
+
+def test_space_style_learns_from_the_output():
+    s = SpaceStyle()
+    assert s.space_after(":") and s.space_after(",") and not s.space_after("{")
+    s.feed('{"a":1,')
+    s.feed(' "b": [')
+    assert not s.space_after(":") or s.after[":"] is True  # last seen wins
+    assert s.after[","] is True and s.after["{"] is False and s.last == "["
+    s.feed('"x"]')
+    assert s.after["["] is False
+
+
+def test_constraint_spec_errors_name_the_problem():
+    with pytest.raises(GrammarError, match="one of grammar, json_schema"):
+        ConstraintSpec.make(grammar="root ::= \"a\"", json_schema={"type": "object"})
+    with pytest.raises(GrammarError, match="non-empty GBNF"):
+        ConstraintSpec.make(grammar="  ")
+    with pytest.raises(GrammarError, match="not valid JSON"):
+        ConstraintSpec.make(json_schema="{nope")
+    with pytest.raises(GrammarError, match=r"invalid json_schema at properties/a"):
+        ConstraintSpec.make(json_schema={"type": "object", "properties": {"a": {"type": 3}}})
+    with pytest.raises(GrammarError, match="must be a JSON object"):
+        ConstraintSpec.make(json_schema=[1, 2])
+    assert ConstraintSpec.make() is None
+
+
+def test_constraint_spec_validate():
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    spec = ConstraintSpec.make(json_schema=schema)
+    assert spec is not None and "root" in spec.gbnf
+    assert spec.validate('{"n": 3}') is None
+    assert "required" in spec.validate('{"m": 3}')
+    assert spec.validate('{"n": ').startswith("not JSON")
+
+
+def test_workload_json_schema_field():
+    p = parse_line('{"id": "a", "category": "json", "prompt": "x", "max_tokens": 4, '
+                   '"json_schema": {"type": "object"}}', "w")
+    assert p.json_schema == {"type": "object"} and p.constraint == {"json_schema": p.json_schema}
+    assert parse_line('{"id": "a", "category": "c", "prompt": "x", "max_tokens": 4}',
+                      "w").constraint == {}
+    with pytest.raises(ValueError, match="'json_schema' must be an object"):
+        parse_line('{"id": "a", "category": "c", "prompt": "x", "max_tokens": 4, '
+                   '"json_schema": 3}', "w")
