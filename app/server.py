@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..llama.tools import parse_tool_calls, tool_names
 from .errors import APIError
-from .guard import BodyGuard, HostGuard, KeyGuard
+from .guard import BodyGuard, HostGuard, KeyGuard, key_matches
 from .schemas import (
     AssistantMessage,
     ChatChoice,
@@ -212,8 +212,9 @@ def create_app(service: Service, allowed_hosts: Collection[str] | None = None,
     @app.get("/health", response_model=Health, response_model_exclude_none=True,
              responses={503: {"model": Health, "description": "loading, failed to load, or "
                                                                "shutting down"}})
-    async def health() -> Any:
-        # open to all: the state only, never the model's path or why it failed to load
+    async def health(request: Request) -> Any:
+        # open to all: the state only, never the model's path or why it failed to load; which
+        # devices (and RPC workers) hold the layers only for those who hold the API key
         if service.closing:
             return JSONResponse({"status": "shutting down"}, 503)
         if service.load_error:
@@ -221,6 +222,9 @@ def create_app(service: Service, allowed_hosts: Collection[str] | None = None,
         if service.engine is None:
             return JSONResponse({"status": "loading model"}, 503)
         placement = getattr(service.engine, "placement", None)  # the current model
+        if service.api_key and not key_matches(request.headers.get("authorization", ""),
+                                               service.api_key):
+            placement = None
         return Health(status="ok", model=service.model_id,
                       devices=placement if isinstance(placement, list) else None)
 

@@ -20,16 +20,17 @@ PROMPTS = first_per_category(load_workload("all"), 2)  # two of each category
 
 @pytest.mark.slow
 def test_every_mode_equals_plain_decoding_at_every_position(engine):
-    assert len({p.category for p in PROMPTS}) == 5 and len(PROMPTS) == 10
+    assert len({p.category for p in PROMPTS}) == 6 and len(PROMPTS) == 12
     checked: dict[tuple[str, tuple[int, ...]], object] = {}
     failures, positions = [], 0
     for p in PROMPTS:
-        outs = {m: engine.generate(p.prompt, max_tokens=128, mode=m) for m in MODES}
+        outs = {m: engine.generate(p.prompt, max_tokens=128, mode=m, **p.constraint)
+                for m in MODES}  # json prompts: constrained to their schema
         plain = outs["ar"]
         for mode, out in outs.items():
             key = (p.id, tuple(out.token_ids))
             if key not in checked:
-                checked[key] = engine.verify_output(p.prompt, out.token_ids)
+                checked[key] = engine.verify_output(p.prompt, out.token_ids, **p.constraint)
             rep = checked[key]
             positions += rep.positions
             assert rep.positions == len(out.token_ids)
@@ -39,7 +40,7 @@ def test_every_mode_equals_plain_decoding_at_every_position(engine):
                 assert out.finish_reason == plain.finish_reason, (p.id, mode)
                 assert out.stats.tokens == plain.stats.tokens, (p.id, mode)
     assert not failures, "\n".join(failures)
-    assert positions >= 10 * len(MODES) * 64  # most outputs run to 128 tokens
+    assert positions >= 10 * len(MODES) * 64  # most outputs run to 128 tokens (json: less)
 
 
 def test_verify_finds_a_wrong_token_and_measures_noise(engine):

@@ -249,6 +249,9 @@ def test_deep_json_is_400_and_only_health_is_open(server):
     for path in ("/metrics", "/docs", "/openapi.json", "/v1/models"):
         assert httpx.get(base + path).status_code == 401, path
     assert httpx.get(base + "/health").json() == {"status": "ok", "model": "gemma-test"}
+    devices = httpx.get(base + "/health", headers=AUTH).json()["devices"]  # with the key
+    assert devices == [{"device": "CPU", "description": "this machine's CPU", "where": "local",
+                        "layers": "all"}]
 
 
 def test_dropped_stream_does_not_block_the_next_request(server, client):

@@ -62,6 +62,7 @@ def test_chat_streams_reply_and_stats(gclient, engine):
     reply = history[-1]["content"]
     reply = reply if isinstance(reply, str) else "".join(p.get("text", "") for p in reply)
     msgs = [{"role": "user", "content": "Write a Python function that adds two numbers."}]
+    engine.reset()  # prefill the whole prompt in one pass, as the UI's fresh server does
     ref = engine.chat(msgs, max_tokens=40, mode="ar")
     assert reply == ref.text
     assert "tokens/s" in stats and "mode ar" in stats
@@ -136,8 +137,10 @@ def test_chat_and_editor_take_an_optional_json_schema(gclient):
     with pytest.raises(AppError, match="invalid json_schema at properties/answer"):
         gclient.predict("Hi", [], "", "ar", 0.0, 5,
                         '{"properties": {"answer": {"type": 5}}}', api_name="/chat")
+    title = ('{"type": "object", "properties": {"title": {"type": "string"}}, '
+             '"required": ["title"], "additionalProperties": false}')
     edited = gclient.predict('{"name": "x"}', "rename the key name to title", "text", "srsd",
-                             '{"type": "object", "required": ["title"]}', api_name="/edit")[0]
+                             title, api_name="/edit")[0]
     assert "title" in json.loads(edited)
 
 
