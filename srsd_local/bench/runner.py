@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import MODES
-from ..llama.grammar import ConstraintSpec
+from ..llama.grammar import schema_problem
 from .peers import (
     PEER_MODES,
     SERVER_MODES,
@@ -82,7 +82,7 @@ def run_bench(engine: Any, prompts: Sequence[BenchPrompt], modes: Sequence[str],
             rec = RunRecord(p.id, p.category, mode, repeat, out.stats, list(out.token_ids))
             text = out.text
         if p.json_schema is not None and text is not None:  # untimed
-            problem = ConstraintSpec("json_schema", "", p.json_schema).validate(text)
+            problem = schema_problem(p.json_schema, text)
             rec.valid, rec.invalid_reason = problem is None, problem
         return rec
 

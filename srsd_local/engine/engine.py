@@ -41,7 +41,7 @@ from .. import store
 from ..config import SamplingParams, SRSDConfig
 from ..llama.backend import Backend, ContextFullError
 from ..llama.chat import render_chat
-from ..llama.grammar import Constraint, ConstraintSpec, GrammarState, SpaceStyle
+from ..llama.grammar import Constraint, ConstraintSpec, Forcing, GrammarState
 from ..llama.models import resolve_model
 from ..llama.tools import tool_style
 from ..spec.acceptance import AcceptanceModel
@@ -679,10 +679,9 @@ class Engine:
         last_logits, stats.reused_prompt_tokens = yield from self._prefill(job)
         job.decoding = True
         x = sampler(last_logits)
-        style = None
-        if job.grammar is not None:
-            style = SpaceStyle()
-            style.feed(be.piece(x).decode("utf-8", "replace"))
+        forcing = job.forcing
+        if forcing is not None:
+            forcing.emitted(be.piece(x).decode("utf-8", "replace"))
         t1 = time.perf_counter()
         stats.prompt_seconds = t1 - t0
         if job.max_tokens == 0:
@@ -711,8 +710,8 @@ class Engine:
             if room:
                 inp = DraftInput(slot.ctx[:n], x, slot.last_hidden,
                                  slot.index if req.uses_index else None)
-                if job.grammar is not None:
-                    self._constrain_draft(inp, job, style)
+                if forcing is not None:
+                    self._constrain_draft(inp, forcing)
             plan = self.speculator.propose(req, inp, room, offset=job.batch_offset,
                                            gain=job.batch_gain) if room else None
             job.expected_tokens = 1.0 if plan is None else 1.0 + plan.expected_accepted
@@ -760,27 +759,20 @@ class Engine:
                                    forecast_depths=t.depths[1:len(plan.probs)], **times,
                                    forced=sum(1 for i in path[1:] if t.origin[i] & GRAMMAR))
             pending = path_tokens[1:] + [y]
-            if style is not None:
-                said = b"".join(be.piece(t) for t in pending).decode("utf-8", "replace")
-                style.feed(said)
-                # what the grammar forced beyond what was just emitted is still forced
-                forced = job.forced_text
-                job.forced_text = forced[len(said):] if forced.startswith(said) else ""
+            if forcing is not None:
+                forcing.emitted(b"".join(be.piece(t) for t in pending).decode("utf-8",
+                                                                              "replace"))
             drafted = [True] * (len(path) - 1) + [False]
             if n_lp is not None:  # pending[i] was drawn from the row of node path[i]
                 lps = [token_logprob(w.logits[node], tok, n_lp)
                        for node, tok in zip(path, pending)]
             x = y
 
-    def _constrain_draft(self, inp: DraftInput, job: _Job, style: SpaceStyle) -> None:
-        """Under a grammar: draft what it forces next (left over from the last step when
-        the output followed it, else found anew), and let it veto drafted nodes."""
-        state = job.grammar
-        text = job.forced_text
-        if len(text) < FORCED_CHARS // 4:
-            text = job.forced_text = state.forced_text(FORCED_CHARS, style.space_after,
-                                                       style.last)
-        be, depth = self.backend, self.config.draft_depth
+    def _constrain_draft(self, inp: DraftInput, forcing: Forcing) -> None:
+        """Under a grammar: draft what it forces next, let it veto drafted nodes, and add
+        what it forces after a drafted leaf to that leaf's branch."""
+        be, depth, state = self.backend, self.config.draft_depth, forcing.state
+        text = forcing.next_text()
         if text:
             inp.forced = be.tokenize(text, add_bos=False, special=False)
 
@@ -788,15 +780,14 @@ class Engine:
             keep, leaves = state.prune(tree.tokens, tree.parents)
             where: dict[int, int] = {}
             out = tree.subtree(keep, where)
-            # what the grammar forces after a drafted leaf follows it in the same branch
             for old, after in sorted(leaves.items(), key=lambda kv: -tree.weights[kv[0]]):
-                room = min(budget - out.n_draft, depth - tree.depths[old])
-                if budget - out.n_draft <= 0:
+                if out.n_draft >= budget:
                     break
+                room = min(budget - out.n_draft, depth - tree.depths[old])
                 if room <= 0:
                     continue
-                prev = be.piece(tree.tokens[old]).decode("utf-8", "replace")[-1:]
-                tail = after.forced_text(FORCED_CHARS // 4, style.space_after, prev)
+                tail = forcing.after(after, be.piece(tree.tokens[old]).decode(
+                    "utf-8", "replace")[-1:])
                 if tail:
                     toks = be.tokenize(tail, add_bos=False, special=False)[:room]
                     out.extend(where[old], toks, GRAMMAR)
@@ -833,8 +824,8 @@ class _Job:
                  grammar: GrammarState | None = None) -> None:
         self.tokens, self.max_tokens, self.params = tokens, max_tokens, params
         self.req, self.stops, self.logprobs = req, stops, logprobs
-        self.grammar = grammar  # the output constraint's position, advanced by the sampler
-        self.forced_text = ""  # what the grammar forces after the last emitted token
+        # under an output constraint: its position (advanced by the sampler) drives the drafts
+        self.forcing = None if grammar is None else Forcing(grammar, FORCED_CHARS)
         self.sampler = Sampler(params) if grammar is None else ConstrainedSampler(params,
                                                                                   grammar)
         self.stats = GenerationStats(mode=req.mode, prompt_tokens=len(tokens), steps=1)

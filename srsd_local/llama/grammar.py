@@ -8,7 +8,8 @@ sampler does the matching; this module only feeds it candidate tokens, a few at 
 checking all 262k tokens of a vocabulary costs about 0.1 s, one token about 7 us.
 
 `forced_text` finds what the grammar admits next when there is no choice (keys of a schema,
-punctuation, closing brackets): those characters are drafted, and verified like any draft.
+punctuation, closing brackets): those characters are drafted, and verified like any draft;
+`Forcing` keeps one request's forced text and whitespace style across steps.
 """
 
 from __future__ import annotations
@@ -113,16 +114,19 @@ class ConstraintSpec:
     def validate(self, text: str) -> str | None:
         """None if `text` satisfies the JSON schema (or is any JSON object for json_object),
         else what is wrong. Grammars are not checked here (the decoder enforces them)."""
-        if self.kind == "grammar":
-            return None
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as exc:
-            return f"not JSON: {exc}"
-        from jsonschema import Draft202012Validator  # noqa: PLC0415
+        return None if self.kind == "grammar" else schema_problem(self.schema, text)
 
-        errors = sorted(Draft202012Validator(self.schema).iter_errors(value), key=str)
-        return errors[0].message if errors else None
+
+def schema_problem(schema: Any, text: str) -> str | None:
+    """None if `text` is JSON that satisfies `schema`, else what is wrong."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return f"not JSON: {exc}"
+    from jsonschema import Draft202012Validator  # noqa: PLC0415
+
+    errors = sorted(Draft202012Validator(schema).iter_errors(value), key=str)
+    return errors[0].message if errors else None
 
 
 class Constraint:
@@ -143,28 +147,21 @@ class Constraint:
         # a quick first check: two of these admitted means free text, nothing forced
         self.sentinels = np.asarray([self.probe_ids[self.probe_chars.index(c)]
                                      for c in "ae01" if c in self.probe_chars], dtype=np.int32)
-        self.eog = [t for t in (backend.eos_token,) if t >= 0]
+        self.eog = np.asarray([t for t in (backend.eos_token,) if t >= 0], dtype=np.int32)
 
     def start(self) -> GrammarState:
         return self._root.clone()
 
 
-_PROBES: dict[int, tuple[np.ndarray, list[str]]] = {}
-
-
 def _probe_tokens(backend: Any) -> tuple[np.ndarray, list[str]]:
-    """The single-character tokens of PROBE_CHARS that the vocabulary has (cached per
-    vocabulary)."""
-    key = id(backend.vocab)
-    if key not in _PROBES:
-        ids, chars = [], []
-        for c in PROBE_CHARS:
-            toks = backend.tokenize(c, add_bos=False, special=False)
-            if len(toks) == 1 and backend.piece(toks[0]) == c.encode():
-                ids.append(toks[0])
-                chars.append(c)
-        _PROBES[key] = (np.asarray(ids, dtype=np.int32), chars)
-    return _PROBES[key]
+    """The single-character tokens of PROBE_CHARS that the vocabulary has."""
+    ids, chars = [], []
+    for c in PROBE_CHARS:
+        toks = backend.tokenize(c, add_bos=False, special=False)
+        if len(toks) == 1 and backend.piece(toks[0]) == c.encode():
+            ids.append(toks[0])
+            chars.append(c)
+    return np.asarray(ids, dtype=np.int32), chars
 
 
 class GrammarState:
@@ -218,7 +215,7 @@ class GrammarState:
         ids, chars = owner.probe_ids, owner.probe_chars
         if not len(ids) or self.mask(owner.sentinels).sum() >= 2:
             return ""  # free text (a string, a number): nothing is forced
-        eog = np.asarray(owner.eog, dtype=np.int32)
+        eog = owner.eog
         st = self.clone()
         out: list[str] = []
         for _ in range(max_chars):
@@ -290,3 +287,31 @@ class SpaceStyle:
 
     def space_after(self, c: str) -> bool:
         return self.after.get(c, c in ":,")
+
+
+class Forcing:
+    """One request's grammar-forced drafts: what the grammar forces after the output so far
+    (kept across steps while the output follows it) and how that output writes optional
+    whitespace."""
+
+    def __init__(self, state: GrammarState, max_chars: int) -> None:
+        self.state, self.max_chars = state, max_chars
+        self.style = SpaceStyle()
+        self.left = ""  # forced text not emitted yet
+
+    def emitted(self, text: str) -> None:
+        """The output went on by `text` (the grammar state follows it through the sampler)."""
+        self.style.feed(text)
+        self.left = self.left[len(text):] if self.left.startswith(text) else ""
+
+    def next_text(self) -> str:
+        """What the grammar forces next: the text left from the last step, found anew when
+        little of it is left."""
+        if len(self.left) < self.max_chars // 4:
+            self.left = self.state.forced_text(self.max_chars, self.style.space_after,
+                                               self.style.last)
+        return self.left
+
+    def after(self, state: GrammarState, prev: str) -> str:
+        """What the grammar forces at `state`, a drafted branch ending in character `prev`."""
+        return state.forced_text(self.max_chars // 4, self.style.space_after, prev)
