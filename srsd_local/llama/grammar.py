@@ -52,9 +52,19 @@ def _stderr_of(fn: Callable[[], Any]) -> tuple[Any, str]:
         return result, tmp.read().decode("utf-8", "replace")
 
 
+def schema_error(schema: Any) -> str | None:
+    """None for a valid JSON schema, else "at PATH: what is wrong"."""
+    from jsonschema import Draft202012Validator, SchemaError  # noqa: PLC0415
+
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as exc:
+        return f"at {'/'.join(str(p) for p in exc.path) or '(top level)'}: {exc.message}"
+    return None
+
+
 def schema_to_gbnf(schema: Any) -> str:
     """A JSON schema (dict or JSON text) -> GBNF; a bad schema raises GrammarError."""
-    from jsonschema import Draft202012Validator, SchemaError  # noqa: PLC0415
     from llama_cpp.llama_grammar import json_schema_to_gbnf  # noqa: PLC0415
 
     if isinstance(schema, str):
@@ -65,11 +75,9 @@ def schema_to_gbnf(schema: Any) -> str:
     if not isinstance(schema, (dict, bool)):
         raise GrammarError("json_schema must be a JSON object (a JSON schema), got "
                            f"{type(schema).__name__}")
-    try:
-        Draft202012Validator.check_schema(schema)
-    except SchemaError as exc:
-        where = "/".join(str(p) for p in exc.path) or "(top level)"
-        raise GrammarError(f"invalid json_schema at {where}: {exc.message}") from None
+    problem = schema_error(schema)
+    if problem is not None:
+        raise GrammarError(f"invalid json_schema {problem}")
     try:
         gbnf = json_schema_to_gbnf(json.dumps(schema))
     except Exception as exc:  # noqa: BLE001 - the converter raises assorted errors

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .grammar import GrammarError, schema_to_gbnf
+from .grammar import GrammarError, schema_error, schema_to_gbnf
 
 TOOLS_ACCEPTED = ("an array of {type: \"function\", function: {name: letters, digits, _ or - "
                   "(at most 64), description?: a string, parameters?: a JSON schema object}}")
@@ -61,8 +61,6 @@ def validate_tools(tools: Any) -> list[dict[str, Any]]:
         return []
     if not isinstance(tools, list):
         raise ValueError(f"tools must be an array; accepted: {TOOLS_ACCEPTED}")
-    from jsonschema import Draft202012Validator, SchemaError  # noqa: PLC0415
-
     seen: set[str] = set()
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
@@ -87,12 +85,10 @@ def validate_tools(tools: Any) -> list[dict[str, Any]]:
         if params is not None:
             if not isinstance(params, dict):
                 raise ValueError(f"{where}.function.parameters must be a JSON schema object")
-            try:
-                Draft202012Validator.check_schema(params)
-            except SchemaError as exc:
-                at = "/".join(str(p) for p in exc.path) or "(top level)"
-                raise ValueError(f"{where}.function.parameters is not a valid JSON schema at "
-                                 f"{at}: {exc.message}") from None
+            problem = schema_error(params)
+            if problem is not None:
+                raise ValueError(f"{where}.function.parameters is not a valid JSON schema "
+                                 f"{problem}")
     return tools
 
 
