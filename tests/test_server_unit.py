@@ -606,6 +606,9 @@ def test_unsupported_openai_fields_are_refused_not_ignored(api, field, value, pa
     ({"response_format": {"type": "json_object"}, "grammar": "root ::= \"a\""}, "grammar",
      "give one of"),
     ({"grammar": 3}, "grammar", "GBNF"),
+    # a valid constraint on a backend that cannot compile grammars (this fake has no vocab)
+    ({"response_format": {"type": "json_object"}}, "response_format", "need a llama.cpp model"),
+    ({"grammar": "root ::= \"a\""}, "grammar", "need a llama.cpp model"),
 ])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_bad_output_constraints_are_400_naming_the_field(api, extra, param, words, path):

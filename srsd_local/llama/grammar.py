@@ -141,6 +141,9 @@ class Constraint:
     """A compiled grammar for one model's vocabulary; `start()` gives a fresh state."""
 
     def __init__(self, backend: Any, spec: ConstraintSpec) -> None:
+        if getattr(backend, "vocab", None) is None:  # e.g. a test double with no llama.cpp model
+            raise GrammarError(f"{spec.kind} constraints need a llama.cpp model; this engine's "
+                               f"backend ({type(backend).__name__}) has no token vocabulary")
         L = _llama()
         self.spec = spec
         self._vocab_size = backend.n_vocab
