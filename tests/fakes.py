@@ -42,7 +42,7 @@ class FakeBackend:
         self._emb = np.random.default_rng(0).normal(size=(VOCAB * VOCAB, N_EMBD))
 
     # tokens: text is lowercase letters, token = 10 + letter index; ' ' = 36
-    def tokenize(self, text: str, add_bos: bool = True) -> list[int]:
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
         ids = [36 if c == " " else 10 + (ord(c) - 97) % 26 for c in text]
         return ([BOS] if add_bos else []) + ids
 

@@ -660,6 +660,7 @@ class Engine:
             self.backend.seq_trim(slot.base, n)
         slot.n_past = min(slot.n_past, n)
         slot.index.truncate(n)
+        slot.text.cut(n)
 
     def _generation(self, job: _Job) -> Generator[Work, None, None]:
         """One request, as a coroutine the scheduler drives: it yields what the next forward
@@ -710,6 +711,9 @@ class Engine:
             if room:
                 inp = DraftInput(slot.ctx[:n], x, slot.last_hidden,
                                  slot.index if req.uses_index else None)
+                if req.uses_text:
+                    inp.text = bytes(slot.text.sync(slot.ctx[:n], be.piece)) + be.piece(x)
+                    inp.tokenize = self._tokenize_text
                 if forcing is not None:
                     self._constrain_draft(inp, forcing)
             plan = self.speculator.propose(req, inp, room, offset=job.batch_offset,
@@ -768,13 +772,19 @@ class Engine:
                        for node, tok in zip(path, pending)]
             x = y
 
+    def _tokenize_text(self, text: str | bytes) -> list[int]:
+        """Tokens of a piece of output-to-be (no BOS, special-token text left as text)."""
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", "ignore")
+        return self.backend.tokenize(text, add_bos=False, special=False)
+
     def _constrain_draft(self, inp: DraftInput, forcing: Forcing) -> None:
         """Under a grammar: draft what it forces next, let it veto drafted nodes, and add
         what it forces after a drafted leaf to that leaf's branch."""
         be, depth, state = self.backend, self.config.draft_depth, forcing.state
         text = forcing.next_text()
         if text:
-            inp.forced = be.tokenize(text, add_bos=False, special=False)
+            inp.forced = self._tokenize_text(text)
 
         def constrain(tree: TokenTree, budget: int) -> TokenTree:
             keep, leaves = state.prune(tree.tokens, tree.parents)
@@ -789,7 +799,7 @@ class Engine:
                 tail = forcing.after(after, be.piece(tree.tokens[old]).decode(
                     "utf-8", "replace")[-1:])
                 if tail:
-                    toks = be.tokenize(tail, add_bos=False, special=False)[:room]
+                    toks = self._tokenize_text(tail)[:room]
                     out.extend(where[old], toks, GRAMMAR)
             return out
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..spec.index import VectorIndex
+from ..spec.textlookup import ContextText
 
 
 class Slot:
@@ -28,6 +29,7 @@ class Slot:
         self.n_past = 0  # committed tokens (positions 0..n_past-1 of sequence `base`)
         self.ctx = np.zeros(n_ctx + 1, dtype=np.int32)  # those tokens
         self.index = VectorIndex(n_embd, n_ctx, index_backend)
+        self.text = ContextText()  # the text of ctx[:n_past], kept when a request drafts from it
         self.last_hidden: np.ndarray | None = None  # hidden row of position n_past-1
         # (position, logits, hidden row) after the last prefilled prompt
         self.prompt_end: tuple[int, np.ndarray, np.ndarray | None] | None = None
@@ -44,6 +46,7 @@ class Slot:
         """Drop the context state (the caller clears the KV cells)."""
         self.n_past = 0
         self.index.clear()
+        self.text.cut(0)
         self.last_hidden = None
         self.prompt_end = None
 

@@ -15,7 +15,7 @@ from .tree import TokenTree
 
 Proposal = tuple[np.ndarray, float, int]
 # draft sources: their bits in TokenTree.origin, and the names the acceptance model keys by
-ORIGINS = {1: "srsd", 2: "ngram", 4: "pld", 8: "grammar"}
+ORIGINS = {1: "srsd", 2: "ngram", 4: "pld", 8: "grammar", 16: "text"}
 GRAMMAR = 8  # the bit of drafts a grammar forces (see DraftInput.forced)
 
 
@@ -37,6 +37,10 @@ class DraftInput:
     # an output constraint applied to a drafted tree within a node budget: the nodes it
     # cannot emit dropped, what it forces after a leaf added
     constrain: Callable[[TokenTree, int], TokenTree] | None = None
+    # the context's text with the root's (bytes) and a tokenizer of such text, for drafters
+    # that match text rather than tokens (left empty for modes without one)
+    text: bytes = b""
+    tokenize: Callable[[bytes], Sequence[int]] | None = None
 
 
 class Drafter:

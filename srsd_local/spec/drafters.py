@@ -6,7 +6,8 @@
 | pld       | classic prompt lookup: one linear draft, no controller           |
 | ngram     | n-gram pool (precise, only when confident)                       |
 | retrieval | hidden-state retrieval                                           |
-| srsd      | hidden-state retrieval + n-gram pool, one tree (the default)     |
+| srsd      | hidden-state retrieval + n-gram pool + text lookup, one tree     |
+|           | (the default)                                                    |
 | hybrid    | hidden-state retrieval + prompt-lookup trie                      |
 """
 
@@ -17,9 +18,10 @@ from .draft import Drafter, DraftInput, Proposal
 from .ngram import NgramDrafter
 from .ngram_mod import NgramModDrafter
 from .retrieval import SemanticDrafter
+from .textlookup import TextLookupDrafter
 
 __all__ = ["Drafter", "DraftInput", "MergedDrafter", "NgramDrafter", "NgramModDrafter",
-           "Proposal", "SemanticDrafter", "make_drafter"]
+           "Proposal", "SemanticDrafter", "TextLookupDrafter", "make_drafter"]
 
 
 class MergedDrafter(Drafter):
@@ -53,7 +55,8 @@ def make_drafter(mode: str, config: SRSDConfig, pool: NgramModDrafter | None = N
     if mode == "ngram":
         return ngram
     if mode == "srsd":
-        return MergedDrafter(config, (SemanticDrafter(config), ngram), "srsd")
+        return MergedDrafter(config, (SemanticDrafter(config), ngram,
+                                      TextLookupDrafter(config)), "srsd")
     if mode == "hybrid":
         return MergedDrafter(config, (SemanticDrafter(config), NgramDrafter(config)), "hybrid")
     raise ValueError(f"unknown mode {mode!r}: accepted are ar, pld, ngram, retrieval, srsd, "

@@ -32,6 +32,7 @@ MAX_SKIP = 8  # steps without drafting after plans kept being declined
 EXPLORE_GAP = 50  # steps between plans that try a stale cost estimate optimistically
 SEED_TRIALS = 10  # calibration seeds count at most this many outcomes per kind of node
 INDEXED_MODES = ("retrieval", "srsd", "hybrid")  # modes that query the hidden-state index
+TEXT_MODES = ("srsd",)  # modes that draft from the context's text (DraftInput.text)
 
 
 @dataclass
@@ -47,6 +48,10 @@ class Request:
     @property
     def uses_index(self) -> bool:
         return self.mode in INDEXED_MODES
+
+    @property
+    def uses_text(self) -> bool:
+        return self.mode in TEXT_MODES
 
 
 def unplanned(tree: TokenTree, recent: float) -> Plan:

@@ -1,0 +1,100 @@
+"""Text lookup: drafts matched on the context's characters rather than its tokens (no model);
+the real-model check is in test_correctness / test_model_integration."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fakes import FakeBackend
+
+from srsd_local.config import SRSDConfig
+from srsd_local.engine import Engine
+from srsd_local.spec.drafters import DraftInput, make_drafter
+from srsd_local.spec.textlookup import ContextText, TextLookupDrafter, longest_repeat
+
+
+def _brute(text: bytes, lo: int, hi: int) -> tuple[int, int]:
+    n = len(text)
+    for size in range(min(hi, n - 1), lo - 1, -1):
+        pos = text.rfind(text[n - size:], 0, n - 1)
+        if pos >= 0:
+            return size, pos
+    return 0, -1
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_longest_repeat_equals_a_brute_force_search(seed):
+    rng = np.random.default_rng(seed)
+    alphabet = b"ab" if seed % 2 else b"abcd "
+    text = bytes(rng.choice(list(alphabet), size=int(rng.integers(2, 200))).tolist())
+    assert longest_repeat(text, 1, 64) == _brute(text, 1, 64)
+
+
+def test_longest_repeat_finds_the_most_recent_occurrence_and_none_below_the_minimum():
+    text = b"xx shorten( yy shorten) zz short"
+    size, pos = longest_repeat(text)
+    assert (size, pos) == (len(b" short"), text.index(b" shorten)"))
+    assert longest_repeat(b"abcdefg hij") == (0, -1)
+    assert longest_repeat(b"abc abc", lo=4) == (0, -1)  # 3 bytes repeat: below the minimum
+
+
+def _tok(data: bytes) -> list[int]:  # one token per byte
+    return list(data)
+
+
+def test_the_draft_is_the_text_after_the_match_retokenized_with_a_shorter_match_as_a_branch():
+    cfg = SRSDConfig(draft_depth=8)
+    text = b'def shorten(text):\n{"name": "shorten", "sig": "short'
+    props = TextLookupDrafter(cfg).propose(DraftInput(np.zeros(3, np.int32), 0, None, None,
+                                                      text=text, tokenize=_tok))
+    conts = [bytes(p[0].tolist()) for p in props]
+    # the longest match (`: "short`, in the name value) first, then the def line's copy
+    assert conts[0] == b'en", "si'
+    assert b"en(text)" in conts
+    assert props[0][2] >= props[-1][2]  # agreement follows the match length
+    # a cut-off continuation loses its last token (it may be a fragment of a longer one)
+    words = lambda b: [len(w) for w in b.split(b" ")]  # noqa: E731
+    longer = TextLookupDrafter(SRSDConfig(draft_depth=2)).propose(DraftInput(
+        np.zeros(3, np.int32), 0, None, None, text=b"one two three four five six; one two",
+        tokenize=words))
+    assert len(longer[0][0]) == 2 and longer[0][0].tolist() == words(b" three four")[:2]
+
+
+def test_no_draft_without_text_tokenizer_or_a_long_enough_repeat():
+    d = TextLookupDrafter(SRSDConfig())
+    ctx = np.zeros(3, np.int32)
+    assert d.propose(DraftInput(ctx, 0, None, None, text=b"abcd abcd")) == []
+    assert d.propose(DraftInput(ctx, 0, None, None, text=b"abcdefgh", tokenize=_tok)) == []
+
+
+def test_srsd_merges_text_drafts_into_its_tree_with_their_origin_bit():
+    text = b"alpha beta gamma delta; alpha beta"
+    tree = make_drafter("srsd", SRSDConfig(index_backend="numpy")).draft(
+        DraftInput(np.asarray([1, 2, 3], np.int32), 7, None, None, text=text, tokenize=_tok))
+    assert tree.n_draft > 0 and all(o & 16 for o in tree.origin[1:])
+    assert bytes(tree.path_tokens(len(tree) - 1))[:6] == b" gamma"
+
+
+def test_context_text_follows_appends_and_cuts():
+    piece = {1: b"ab", 2: b"c", 3: b"\xc3", 4: b"\xa9!"}.__getitem__
+    ct = ContextText()
+    assert bytes(ct.sync(np.asarray([1, 2, 3], np.int32), piece)) == b"abc\xc3"
+    assert bytes(ct.sync(np.asarray([1, 2, 3, 4], np.int32), piece)) == b"abc\xc3\xa9!"
+    ct.cut(2)
+    assert len(ct) == 2 and bytes(ct.sync(np.asarray([1, 2, 1], np.int32), piece)) == b"abcab"
+    ct.cut(0)
+    assert bytes(ct.sync(np.asarray([], np.int32), piece)) == b""
+
+
+def test_the_engine_keeps_each_slots_text_equal_to_its_context_through_reuse_and_cuts():
+    be = FakeBackend(n_ctx=512)
+    eng = Engine(be, SRSDConfig(index_backend="numpy"))
+    prompts = ["the cat sat on the mat and the cat sat", "the cat sat on the hat",
+               "a dog ran", "the cat sat on the mat and the dog"]
+    for p in prompts:
+        res = eng.generate(p, max_tokens=24, mode="srsd")
+        assert res.stats.tokens > 0
+        for slot in eng.slots:
+            if len(slot.text):  # drafted from since the last sync: in step with the context
+                got = bytes(slot.text.sync(slot.ctx[:slot.n_past], be.piece))
+                assert got == b"".join(be.piece(int(t)) for t in slot.ctx[:slot.n_past])
