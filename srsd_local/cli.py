@@ -175,9 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="side-by-side speed of every mode on a workload")
     b.add_argument("--workload", default="code_edit",
-                   help="code_edit, text_edit, humaneval, code_continue, open, all (those five), "
-                        "calibration, or a .jsonl file "
-                        "({id, category, prompt, max_tokens[, temperature, seed]})")
+                   help="code_edit, text_edit, humaneval, code_continue, open, json, all (those "
+                        "six), calibration, or a .jsonl file ({id, category, prompt, "
+                        "max_tokens[, temperature, seed, json_schema]})")
     b.add_argument("--modes", default=BENCH_MODES,
                    help="comma-separated: ar, pld, ngram, retrieval, srsd, hybrid (ngram and "
                         "retrieval are the ablation of srsd's two sources); peers: lcp-pld "

@@ -170,6 +170,24 @@ def test_speculative_greedy_equals_plain_at_every_position(fixed_trees, mode):
     assert rep.positions == len(spec.token_ids) == len(plain.token_ids)
 
 
+def _text_lookup_outcomes(engine) -> tuple[float, float]:
+    """(accepted, verified) nodes text lookup drafted, from the acceptance model's coarse keys."""
+    got = [v for k, v in engine.speculator.acceptance.counts.items()
+           if len(k) == 4 and "text" in k[0].split("+")]
+    return sum(a for a, _ in got), sum(n for _, n in got)
+
+
+def test_text_lookup_drafts_are_verified_and_accepted_on_the_real_model(fixed_trees):
+    engine = fixed_trees
+    before = _text_lookup_outcomes(engine)
+    spec = engine.generate(edit_prompt(), max_tokens=80, mode="srsd")
+    after = _text_lookup_outcomes(engine)
+    assert after[1] > before[1], "text lookup drafted nothing on an edit prompt"
+    assert after[0] - before[0] >= 10, "text lookup's drafts were never accepted"
+    rep = engine.verify_output(edit_prompt(), spec.token_ids)
+    assert rep.ok, rep.summary()
+
+
 def test_controller_on_the_real_model_follows_the_cost(engine):
     prompt = edit_prompt()
     plain = engine.generate(prompt, max_tokens=80, mode="ar")
