@@ -98,3 +98,26 @@ def test_the_engine_keeps_each_slots_text_equal_to_its_context_through_reuse_and
             if len(slot.text):  # drafted from since the last sync: in step with the context
                 got = bytes(slot.text.sync(slot.ctx[:slot.n_past], be.piece))
                 assert got == b"".join(be.piece(int(t)) for t in slot.ctx[:slot.n_past])
+
+
+def test_a_copy_in_progress_reuses_the_last_tokenization_from_a_token_boundary():
+    from srsd_local.spec.textlookup import TokenCache
+
+    calls = []
+
+    def tokenize(b: bytes) -> list[int]:
+        calls.append(b)
+        return list(b)  # one token per byte
+
+    cache = TokenCache()
+    text = b"0123456789abcdefghij"
+    first = cache.tokens(0, text[:12], False, 4, tokenize, lambda t: bytes([t]))
+    assert first == list(text[:11]) and len(calls) == 1
+    # three tokens accepted: the next continuation starts at byte 3, inside the cached one
+    again = cache.tokens(3, text[3:15], False, 4, tokenize, lambda t: bytes([t]))
+    assert again == list(text[3:11]) and len(calls) == 1
+    # different text at that offset (another context) or too little left: tokenized afresh
+    assert cache.tokens(3, b"XYZ" + text[6:15], False, 4, tokenize, lambda t: bytes([t]))[0] == 88
+    assert cache.tokens(10, text[10:20], True, 6, tokenize, lambda t: bytes([t])) == \
+        list(text[10:20])
+    assert len(calls) == 3

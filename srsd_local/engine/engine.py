@@ -713,7 +713,7 @@ class Engine:
                                  slot.index if req.uses_index else None)
                 if req.uses_text:
                     inp.text = bytes(slot.text.sync(slot.ctx[:n], be.piece)) + be.piece(x)
-                    inp.tokenize = self._tokenize_text
+                    inp.tokenize, inp.piece = self._tokenize_text, be.piece
                 if forcing is not None:
                     self._constrain_draft(inp, forcing)
             plan = self.speculator.propose(req, inp, room, offset=job.batch_offset,

@@ -41,6 +41,7 @@ class DraftInput:
     # that match text rather than tokens (left empty for modes without one)
     text: bytes = b""
     tokenize: Callable[[bytes], Sequence[int]] | None = None
+    piece: Callable[[int], bytes] | None = None  # a token's text
 
 
 class Drafter:
