@@ -90,9 +90,31 @@ def test_distribution_filters():
     assert p_cold[0] > 0.99
 
 
-def test_top_p_on_a_large_flat_vocabulary_is_exact():
+def test_tokens_past_the_cutoff_are_left_out_and_the_rest_keeps_its_distribution():
+    from srsd_local.spec.sampling import CUTOFF
+
+    t = 0.5
+    x = np.zeros(6, dtype=np.float32)
+    x[1:] = [-1.0, -(CUTOFF - 1) * t, -(CUTOFF + 1) * t, -1e9, -3.0]
+    ids, p = distribution(x, SamplingParams(temperature=t))
+    assert ids.tolist() == [0, 1, 2, 5]  # token 3 lies past the cutoff, token 4 far past it
+    full = np.exp((x - x.max()) / t)
+    full /= full.sum()
+    assert np.abs(p - full[ids] / full[ids].sum()).max() < 1e-9
+    assert full[[3, 4]].sum() < 1e-12  # what was left out
+    # a realistic row: the candidates are a small share of the vocabulary, the mass the same
+    rng = np.random.default_rng(1)
+    row = rng.normal(scale=6.0, size=262_144).astype(np.float32)
+    ids, p = distribution(row, SamplingParams(temperature=0.8))
+    ref = np.exp((row.astype(np.float64) - row.max()) / 0.8)
+    assert len(ids) < len(row) // 2 and ref[ids].sum() / ref.sum() > 1 - 1e-8
+
+
+@pytest.mark.parametrize("n_vocab,n_high", [(5000, 5000), (60_000, 3000), (60_000, 20_000)])
+def test_top_p_on_a_large_flat_vocabulary_is_exact(n_vocab, n_high):
     rng = np.random.default_rng(0)
-    logits = rng.normal(scale=0.01, size=5000).astype(np.float32)
+    logits = rng.normal(scale=0.01, size=n_vocab).astype(np.float32)
+    logits[n_high:] -= 8.0  # a nucleus of about 0.9 * n_high tokens
     ids, p = distribution(logits, SamplingParams(temperature=1.0, top_p=0.9))
     # the nucleus is wider than the sorted head: all of it must be found
     assert len(ids) > 512

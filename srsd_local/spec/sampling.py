@@ -15,38 +15,42 @@ import numpy as np
 from ..config import SamplingParams
 
 _HEAD = 512  # candidates sorted first when looking for the top-p nucleus
+CUTOFF = 30.0  # logits (x temperature) below the best (admitted) token that still count
 
 
 def distribution(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
     """The processed distribution: (token ids, probabilities).
 
     Order of processing: top-k, temperature softmax, min-p, top-p (as llama.cpp's chain).
-    With top-p the candidates come most probable first (ties by token id); otherwise in
-    token-id order, which saves sorting a 262k-entry vocabulary at every step. Either order
-    is deterministic, which is all sampling needs.
+    Tokens more than CUTOFF x temperature logits below the best one (e^-30 times less likely
+    than it; together at most a 262k-entry vocabulary's e^-30, about 2e-8 of the mass) are
+    left out before the softmax, which spares exponentiating the whole vocabulary at every
+    step. With top-p the candidates come most probable first (ties by token id); otherwise
+    in token-id order, which saves sorting the vocabulary. Either order is deterministic,
+    which is all sampling needs.
     """
     x = np.asarray(logits, dtype=np.float32).reshape(-1)
     n_vocab = x.shape[0]
+    temperature = max(params.temperature, 1e-6)
     if 0 < params.top_k < n_vocab:
         ids = np.sort(np.argpartition(x, n_vocab - params.top_k)[n_vocab - params.top_k:])
-        z = x[ids]
     else:
-        ids, z = None, x
-    z = (z - z.max()) * np.float32(1.0 / max(params.temperature, 1e-6))
+        ids = np.flatnonzero(x >= x.max() - np.float32(CUTOFF * temperature))
+    z = x[ids]
+    z = (z - z.max()) * np.float32(1.0 / temperature)
     p = np.exp(z)
     p /= p.sum(dtype=np.float64)
     if params.min_p > 0.0:
         keep = np.flatnonzero(p >= params.min_p * p.max())
-        ids = keep if ids is None else ids[keep]
-        p = p[keep]
-    if ids is None:
-        ids = np.arange(n_vocab)
+        ids, p = ids[keep], p[keep]
     if params.top_p < 1.0:
         head = np.arange(len(p))
-        if len(p) > _HEAD:
-            head = np.argpartition(-p, _HEAD)[:_HEAD]
-            if p[head].sum() < params.top_p:  # nucleus is wider than the head: sort all
-                head = np.arange(len(p))
+        for size in (_HEAD, 16 * _HEAD):  # the most probable few first; all only if need be
+            if len(p) > size:
+                part = np.argpartition(-p, size)[:size]
+                if p[part].sum() >= params.top_p:  # the nucleus lies within them
+                    head = part
+                    break
         head = head[np.lexsort((ids[head], -p[head]))]
         n_keep = int(np.searchsorted(np.cumsum(p[head]), params.top_p)) + 1
         head = head[:n_keep]
@@ -105,7 +109,6 @@ class DeadEndError(ValueError):
 
 BAND = 8.0  # logits below the best token: where the best admitted token is looked for first
 MAX_BAND = 4096  # candidates in that band checked at most (the best ones)
-CUTOFF = 30.0  # logits (x temperature) below the best admitted token that still count
 
 
 def _best_first(x: np.ndarray, ids: np.ndarray) -> np.ndarray:
