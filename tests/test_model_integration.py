@@ -212,6 +212,7 @@ def test_controller_on_the_real_model_follows_the_cost(engine):
 
 def test_speculation_recovers_from_an_absurd_cached_profile(model_path, monkeypatch, tmp_path):
     from srsd_local import store
+    from srsd_local.engine import profile
     from srsd_local.engine.profile import load_cost_model
 
     monkeypatch.setenv("SRSD_CACHE_DIR", str(tmp_path))
@@ -222,6 +223,8 @@ def test_speculation_recovers_from_an_absurd_cached_profile(model_path, monkeypa
     store.write_json("profiles", name, {**sane, "key": key,
                                         "seconds": [sane["seconds"][0]] + [4.3] * (
                                             len(sane["seconds"]) - 1)})
+    # the check at load would measure it again (next test): here the online correction alone
+    monkeypatch.setattr(profile, "agrees", lambda *a: True)
     with Engine.load(model_path, n_ctx=2048) as eng:
         assert eng.speculator.cost.t(12) > 0.05  # the poisoned profile was loaded
         res = eng.generate(edit_prompt(), max_tokens=300, mode="srsd")
@@ -231,6 +234,26 @@ def test_speculation_recovers_from_an_absurd_cached_profile(model_path, monkeypa
         assert cost.t(12) < 1.0
     # the corrected profile was saved back: the next load starts from it
     assert CostModel.from_dict(store.read_json("profiles", name)).t(12) < 1.0
+
+
+def test_a_cached_profile_that_disagrees_with_the_machine_is_measured_again_at_load(
+        model_path, monkeypatch, tmp_path):
+    from srsd_local import store
+    from srsd_local.engine.profile import load_cost_model
+
+    monkeypatch.setenv("SRSD_CACHE_DIR", str(tmp_path))
+    with Engine.load(model_path, n_ctx=2048) as eng:
+        sane = eng.speculator.cost.to_dict()
+        _, name, key = load_cost_model(eng.backend, eng.config)
+    t1 = sane["seconds"][0]
+    bad = {"plain step 100x slow": [100 * t1 * s for s in sane["sizes"]],
+           "every token a full step": [t1 * s for s in sane["sizes"]]}
+    for why, seconds in bad.items():
+        store.write_json("profiles", name, {**sane, "key": key, "seconds": seconds})
+        with Engine.load(model_path, n_ctx=2048) as eng:
+            cost = eng.speculator.cost
+            assert cost.t(1) < 10 * t1 and cost.t(8) < 0.8 * 8 * cost.t(1), why
+        assert store.read_json("profiles", name)["seconds"] != seconds, why  # re-cached
 
 
 def test_speculative_sampling_is_reproducible_and_draws_what_plain_draws(engine, monkeypatch):

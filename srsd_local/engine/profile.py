@@ -1,5 +1,6 @@
 """The step-cost profile of a model on this machine: measured once, cached per model file,
-machine (CPU model and flags, GPU) and settings, corrected by real steps and saved back."""
+machine (CPU model and flags, GPU) and settings, checked against a quick measurement at each
+load (measured again when they disagree), corrected by real steps and saved back."""
 
 from __future__ import annotations
 
@@ -54,13 +55,32 @@ def load_cost_model(backend: Backend, cfg: SRSDConfig) -> tuple[CostModel, str, 
     cached = store.read_json("profiles", name)
     if isinstance(cached, dict) and cached.get("key") == key:
         try:
-            return CostModel.from_dict(cached), name, key
+            model = CostModel.from_dict(cached)
         except (KeyError, TypeError, ValueError):
-            pass  # unreadable: measure again
+            model = None  # unreadable: measure again
+        if model is not None and agrees(model, backend, sizes):
+            return model, name, key
     seconds, per_kv, ctx0 = backend.profile(sizes)
     model = CostModel(sizes, seconds, per_kv, ctx0)
     save_cost_model(model, name, key)
     return model, name, key
+
+
+CHECK_SIZE = 8  # the batch size checked against a cached profile at load
+OFF_SPEED = 3.0  # a cached plain step this many times off the machine's speed now...
+OFF_SHAPE = 1.5  # ...or a cached t(8) / t(1) this far off: the profile is measured again
+
+
+def agrees(model: CostModel, backend: Backend, sizes: list[int]) -> bool:
+    """Whether a cached profile agrees with a quick measurement of t(1) and t(8) now (about
+    0.3 s on a CPU). A profile cached while the machine was busy, or by a run that went wrong,
+    would otherwise steer the controller until real steps had corrected every size: the
+    online corrections fix the scale at once but the shape only as trees of each size run."""
+    k = min(CHECK_SIZE, sizes[-1])
+    (t1, tk), _, ctx0 = backend.profile([1, k], reps=2, long_ctx=0)
+    c1, ck = model.t(1, ctx0), model.t(k, ctx0)
+    speed, shape = c1 / t1, (ck / c1) / (tk / t1)
+    return 1 / OFF_SPEED < speed < OFF_SPEED and 1 / OFF_SHAPE < shape < OFF_SHAPE
 
 
 def save_cost_model(model: CostModel, name: str, key: str) -> None:
