@@ -198,10 +198,14 @@ class _ProfiledFake(FakeBackend):
         super().__init__()
         self.model_path = str(path)
         self.n_batch = 64
-        self.profiles = 0
+        self.profiles = 0  # full profiles measured
+        self.checks = 0  # quick checks of a cached profile (no long-context part)
 
-    def profile(self, sizes, reps=3):
-        self.profiles += 1
+    def profile(self, sizes, reps=3, long_ctx=1024):
+        if long_ctx:
+            self.profiles += 1
+        else:
+            self.checks += 1
         return [0.01 + 0.002 * n for n in sizes], 1e-6, 100
 
 
@@ -215,6 +219,7 @@ def test_cost_profile_is_cached_and_invalidated_when_the_model_file_changes(tmp_
     a, name, key = load_cost_model(be, cfg)
     b, name2, _ = load_cost_model(be, cfg)
     assert be.profiles == 1 and a.to_dict() == b.to_dict() and name == name2
+    assert be.checks == 1  # the cached profile was checked against the machine, and agreed
     assert machine_id() in key  # keyed by the machine as well as the model file
     load_cost_model(be, cfg.with_(n_threads=cfg.threads + 1))  # other thread count
     assert be.profiles == 2
