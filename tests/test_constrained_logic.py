@@ -53,6 +53,23 @@ def test_best_allowed_is_the_masked_argmax_and_checks_few_when_the_top_is_allowe
         assert best_allowed(x, SetConstraint(allowed)) == int(np.argmax(masked))
 
 
+@pytest.mark.parametrize("rank", [5000, 20000, 70000, 262000])
+def test_best_allowed_far_down_a_full_vocabulary_with_ties(rank):
+    # a 262k vocabulary whose logits tie in large groups; the only admitted tokens lie
+    # beyond the band around the top, so the rest is searched in its best-first chunks
+    rng = np.random.default_rng(rank)
+    x = (np.round(rng.normal(size=262144) * 8) / 2).astype(np.float32)
+    order = np.lexsort((np.arange(len(x)), -x))  # best first, ties by the lowest id
+    allowed = {int(t) for t in rng.choice(order[rank:], size=50, replace=False)}
+    allowed.add(int(order[rank]))
+    c = SetConstraint(allowed)
+    masked = np.full_like(x, -np.inf)
+    masked[list(allowed)] = x[list(allowed)]
+    assert best_allowed(x, c) == int(np.argmax(masked)) == int(order[rank])
+    if rank < 20000:  # found within the 4096 best of the rest, which alone were checked
+        assert c.checked < 4096 + 4096 + 1
+
+
 def test_best_allowed_ties_go_to_the_lowest_id_and_a_dead_end_says_so():
     x = np.zeros(10, dtype=np.float32)
     x[[3, 6, 8]] = 2.0

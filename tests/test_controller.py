@@ -106,6 +106,25 @@ def test_evidence_features():
     assert ev[t.child(n1, 2)].share == 0.5 and ev[t.child(n1, 2)].n_drafts == 2
 
 
+def test_retrievals_nodes_are_judged_as_retrievals_whatever_else_proposed_them():
+    t = TokenTree(0)
+    t.insert([1, 2], 0.9, origin=1)  # retrieval
+    t.insert([1, 2, 3], 0.5, origin=16)  # text lookup agrees on 1, 2 and goes on
+    t.insert([1, 2, 3], 0.5, origin=2)  # so does the n-gram pool
+    t.extend(t.child(t.child(t.child(0, 1), 2), 3), [4], 8)  # a grammar forces 4 after it
+    t.insert([5], 0.3, origin=2 | 8)
+    ev = evidence(t)
+    n1 = t.child(0, 1)
+    n2 = t.child(n1, 2)
+    n3 = t.child(n2, 3)
+    assert t.origin[n1] == 1 | 2 | 16 and ev[n1].origin == ev[n2].origin == "srsd"
+    assert ev[n3].origin == "ngram+text" and ev[t.child(n3, 4)].origin == "grammar"
+    assert ev[t.child(0, 5)].origin == "ngram+grammar"
+    t.insert([1, 2], 0.9, origin=8)  # forced as well: retrieval's, under the grammar's prior
+    assert evidence(t)[n1].origin == "srsd+grammar"
+    assert AcceptanceModel().q(evidence(t)[n1], "srsd", True) > 0.9
+
+
 def test_cost_grows_with_context_and_is_monotone():
     c = CostModel([1, 2, 4, 8], [0.010, 0.021, 0.019, 0.040], per_kv=2e-6, ctx0=100)
     assert list(c.seconds) == sorted(c.seconds)  # noise smoothed: never cheaper when bigger

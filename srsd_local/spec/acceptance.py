@@ -8,7 +8,7 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .draft import origin_name
+from .draft import acceptance_source
 from .tree import TokenTree
 
 
@@ -25,7 +25,8 @@ class NodeEvidence:
     n_drafts: int  # drafts through the root
     agree: int = 0  # longest context match (tokens up to the root) among those drafts
     recent: float = 0.5  # how often the last trees of this generation got a token accepted
-    origin: str = ""  # the sources that proposed it ("srsd", "ngram", "srsd+ngram", ...)
+    origin: str = ""  # the sources it is judged by ("srsd", "ngram", "ngram+text", ...: see
+    # draft.acceptance_source)
     _keys: dict = field(default_factory=dict, repr=False, compare=False)
 
     def keys(self, source: str, greedy: bool) -> tuple[tuple, tuple]:
@@ -110,7 +111,7 @@ def evidence(tree: TokenTree, recent: float = 0.5) -> list[NodeEvidence | None]:
         c = max(tree.counts[i], 1)
         out.append(NodeEvidence(tree.depths[i], tree.counts[i] / root_count,
                                 tree.weights[i] / c, root_count, tree.agree[i], recent,
-                                origin_name(tree.origin[i]) if tree.origin[i] else ""))
+                                acceptance_source(tree.origin[i]) if tree.origin[i] else ""))
     return out
 
 
