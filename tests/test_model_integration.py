@@ -170,21 +170,64 @@ def test_speculative_greedy_equals_plain_at_every_position(fixed_trees, mode):
     assert rep.positions == len(spec.token_ids) == len(plain.token_ids)
 
 
-def _text_lookup_outcomes(engine) -> tuple[float, float]:
-    """(accepted, verified) nodes text lookup drafted, from the acceptance model's coarse keys."""
-    got = [v for k, v in engine.speculator.acceptance.counts.items()
-           if len(k) == 4 and "text" in k[0].split("+")]
-    return sum(a for a, _ in got), sum(n for _, n in got)
+def test_text_lookup_drafts_are_verified_and_accepted_on_the_real_model(fixed_trees,
+                                                                         monkeypatch):
+    from srsd_local.spec.speculator import Speculator
+    from srsd_local.spec.textlookup import TextLookupDrafter
 
-
-def test_text_lookup_drafts_are_verified_and_accepted_on_the_real_model(fixed_trees):
     engine = fixed_trees
-    before = _text_lookup_outcomes(engine)
+    seen = [0, 0]  # text-lookup nodes accepted, verified (their parent was accepted)
+    real_observe = Speculator.observe
+
+    def spy(self, req, plan, path):
+        if plan is not None:
+            t, on = plan.tree, set(path)
+            for node in range(1, len(t)):
+                if t.origin[node] & TextLookupDrafter.origin and t.parents[node] in on:
+                    seen[0] += node in on
+                    seen[1] += 1
+        real_observe(self, req, plan, path)
+
+    monkeypatch.setattr(Speculator, "observe", spy)
     spec = engine.generate(edit_prompt(), max_tokens=80, mode="srsd")
-    after = _text_lookup_outcomes(engine)
-    assert after[1] > before[1], "text lookup drafted nothing on an edit prompt"
-    assert after[0] - before[0] >= 10, "text lookup's drafts were never accepted"
+    assert seen[1] > 0, "text lookup drafted nothing on an edit prompt"
+    assert seen[0] >= 10, "text lookup's drafts were never accepted"
     rep = engine.verify_output(edit_prompt(), spec.token_ids)
+    assert rep.ok, rep.summary()
+
+
+def test_a_rewrapped_copy_is_drafted_from_the_collapsed_text_on_the_real_model(fixed_trees,
+                                                                              monkeypatch):
+    # a docstring wrapped over lines, which the model copies re-wrapped: where the exact text
+    # lookup proposes the original line breaks, the collapsed text proposes what it writes
+    from srsd_local.bench.workloads import load_workload
+    from srsd_local.spec.textlookup import TextLookupDrafter
+
+    engine = fixed_trees
+    proposals: dict[int, dict[str, list]] = {}  # context length -> {"flat"/"exact": drafts}
+    real_add = TextLookupDrafter._add
+
+    def spy(self, out, seen, cache, text, start, size, inp):
+        before = len(out)
+        real_add(self, out, seen, cache, text, start, size, inp)
+        if len(out) > before:
+            kind = "flat" if cache is self._flat_cache else "exact"
+            step = proposals.setdefault(len(inp.tokens), {"flat": [], "exact": []})
+            step[kind].append(out[-1][0].tolist())
+
+    monkeypatch.setattr(TextLookupDrafter, "_add", spy)
+    prompt = load_workload("json")[0].prompt  # textwrap.shorten's docstring, wrapped
+    engine.forget_outputs()
+    res = engine.generate(prompt, max_tokens=80, mode="srsd")
+    out, p = res.token_ids, res.stats.prompt_tokens
+    only_flat = 0  # steps where the collapsed text alone proposed the next 3 tokens right
+    for ctx, step in proposals.items():
+        nxt = out[ctx - p + 1: ctx - p + 4]
+        if len(nxt) == 3 and any(d[:3] == nxt for d in step["flat"]) \
+                and not any(d[:3] == nxt for d in step["exact"]):
+            only_flat += 1
+    assert only_flat >= 2, (only_flat, res.text)
+    rep = engine.verify_output(prompt, res.token_ids)
     assert rep.ok, rep.summary()
 
 

@@ -10,7 +10,12 @@ from fakes import FakeBackend
 from srsd_local.config import SRSDConfig
 from srsd_local.engine import Engine
 from srsd_local.spec.drafters import DraftInput, make_drafter
-from srsd_local.spec.textlookup import ContextText, TextLookupDrafter, longest_repeat
+from srsd_local.spec.textlookup import (
+    ContextText,
+    TextLookupDrafter,
+    flat_piece,
+    longest_repeat,
+)
 
 
 def _brute(text: bytes, lo: int, hi: int) -> tuple[int, int]:
@@ -84,6 +89,46 @@ def test_context_text_follows_appends_and_cuts():
     assert len(ct) == 2 and bytes(ct.sync(np.asarray([1, 2, 1], np.int32), piece)) == b"abcab"
     ct.cut(0)
     assert bytes(ct.sync(np.asarray([], np.int32), piece)) == b""
+
+
+def test_the_collapsed_text_follows_appends_and_cuts_across_piece_boundaries():
+    piece = {1: b"a ", 2: b"\n   ", 3: b"b\t\tc", 4: b" ", 5: b"d"}.__getitem__
+    ct = ContextText()
+    ct.sync(np.asarray([1, 2, 3, 4, 4, 5], np.int32), piece)
+    assert bytes(ct.flat) == b"a b c d"  # runs across pieces are one space
+    assert ct.flat_with(b"  e\n") == b"a b c d e "
+    ct.cut(4)
+    assert bytes(ct.flat) == b"a b c " and ct.flat_with(b" x") == b"a b c x"
+    ct.sync(np.asarray([1, 2, 3, 4, 5], np.int32), piece)
+    assert bytes(ct.flat) == b"a b c d"
+    assert flat_piece(b"\n\n  x  y", True) == b"x y" and flat_piece(b"\n", False) == b" "
+
+
+def test_a_rewrapped_copy_is_drafted_from_the_collapsed_text():
+    # a docstring wrapped over lines, quoted as one line: the exact text stops matching at
+    # each line end, the collapsed text goes on
+    prompt = b"    Collapse and truncate the given\n    text to fit in the given width.\n"
+    out = b'"summary": "Collapse and truncate the given'
+    text = prompt + out
+    ct = ContextText()
+    ct.sync(np.asarray(list(text), np.int32), lambda t: bytes([t]))
+    d = TextLookupDrafter(SRSDConfig(draft_depth=8))
+    inp = DraftInput(np.zeros(3, np.int32), 0, None, None, text=text, flat=bytes(ct.flat),
+                     tokenize=_tok)
+    # at the line end both continuations are drafted: the exact one and the unwrapped one
+    conts = [bytes(p[0].tolist()) for p in d.propose(inp)]
+    assert conts[0].startswith(b"\n    te") and b" text to" in conts
+    # once the copy has crossed the line end only the collapsed text still matches that far
+    text2 = text + b" text to"
+    ct.sync(np.asarray(list(text2), np.int32), lambda t: bytes([t]))
+    props = d.propose(DraftInput(np.zeros(3, np.int32), 0, None, None, text=text2,
+                                 flat=bytes(ct.flat), tokenize=_tok))
+    assert bytes(props[0][0].tolist()) == b" fit in "
+    assert props[0][2] == 8  # the long collapsed match is its evidence
+    # without the collapsed text only the exact continuation is drafted
+    plain = d.propose(DraftInput(np.zeros(3, np.int32), 0, None, None, text=text,
+                                 tokenize=_tok))
+    assert [bytes(p[0].tolist())[:5] for p in plain] == [b"\n    "]
 
 
 def test_the_engine_keeps_each_slots_text_equal_to_its_context_through_reuse_and_cuts():

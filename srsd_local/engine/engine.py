@@ -712,7 +712,9 @@ class Engine:
                 inp = DraftInput(slot.ctx[:n], x, slot.last_hidden,
                                  slot.index if req.uses_index else None)
                 if req.uses_text:
-                    inp.text = bytes(slot.text.sync(slot.ctx[:n], be.piece)) + be.piece(x)
+                    root = be.piece(x)
+                    inp.text = bytes(slot.text.sync(slot.ctx[:n], be.piece)) + root
+                    inp.flat = slot.text.flat_with(root)
                     inp.tokenize, inp.piece = self._tokenize_text, be.piece
                 if forcing is not None:
                     self._constrain_draft(inp, forcing)

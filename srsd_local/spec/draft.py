@@ -53,6 +53,7 @@ class DraftInput:
     # the context's text with the root's (bytes) and a tokenizer of such text, for drafters
     # that match text rather than tokens (left empty for modes without one)
     text: bytes = b""
+    flat: bytes = b""  # the same text with every whitespace run collapsed to one space
     tokenize: Callable[[bytes], Sequence[int]] | None = None
     piece: Callable[[int], bytes] | None = None  # a token's text
 

@@ -6,11 +6,18 @@ as ` shorten` comes out as `short|en` after a quote, a docstring's `\"\"\"Collap
 `"Collapse`, an edited line is re-indented. Here the longest suffix of the context's text (the
 known next token included) that occurred earlier is found, and the text that followed it there
 is tokenized afresh as the draft. The suffix length is the evidence (`agree`, `weight`), so the
-acceptance model learns how far short matches can be trusted. Pure Python (bytes.rfind).
+acceptance model learns how far short matches can be trusted.
+
+The same search also runs on the text with every whitespace run collapsed to one space: a
+copy that re-wraps its original (a docstring's wrapped lines quoted as one JSON string, a
+paragraph re-flowed, an indented block flattened) breaks the exact match at every line end,
+while the collapsed text still matches and its continuation is what an unwrapping copy
+writes. Pure Python (bytes.rfind).
 """
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -20,10 +27,19 @@ from ..config import SRSDConfig
 from .draft import _MAX_AGREE, Drafter, DraftInput, Proposal
 
 MIN_MATCH = 4  # bytes of context text a match must cover
+MIN_FLAT = 8  # ... of the whitespace-collapsed text (tried when it matches further back)
 MAX_MATCH = 64  # the longest suffix looked for
 MAX_PROPOSALS = 3  # distinct continuations drafted at most
 MAX_PER_MATCH = 2  # occurrences of one suffix looked at (the most recent first)
 BYTES_PER_TOKEN = 4  # continuation text taken per draft token (about)
+_SPACES = re.compile(rb"\s+")
+
+
+def flat_piece(piece: bytes, after_space: bool) -> bytes:
+    """`piece` with its whitespace runs collapsed to one space, appended to a collapsed text
+    that ends in a space (`after_space`) or not."""
+    out = _SPACES.sub(b" ", piece)
+    return out[1:] if after_space and out[:1] == b" " else out
 
 
 class ContextText:
@@ -33,6 +49,8 @@ class ContextText:
     def __init__(self) -> None:
         self._text = bytearray()
         self._ends: list[int] = []  # per token position: where its piece ends in the text
+        self.flat = bytearray()  # the text with every whitespace run collapsed to one space
+        self._flat_ends: list[int] = []
 
     def __len__(self) -> int:
         return len(self._ends)
@@ -42,14 +60,23 @@ class ContextText:
         if n < len(self._ends):
             del self._text[(self._ends[n - 1] if n else 0):]
             del self._ends[n:]
+            del self.flat[(self._flat_ends[n - 1] if n else 0):]
+            del self._flat_ends[n:]
 
     def sync(self, tokens: np.ndarray, piece: Callable[[int], bytes]) -> bytearray:
         """The text of `tokens` (the context: what it held so far is a prefix of it)."""
-        ends, text = self._ends, self._text
+        ends, text, flat = self._ends, self._text, self.flat
         for t in tokens[len(ends):].tolist():
-            text += piece(t)
+            p = piece(t)
+            text += p
             ends.append(len(text))
+            flat += flat_piece(p, flat[-1:] == b" ")
+            self._flat_ends.append(len(flat))
         return text
+
+    def flat_with(self, piece: bytes) -> bytes:
+        """The collapsed text (as of the last `sync`) followed by `piece`, collapsed."""
+        return bytes(self.flat) + flat_piece(piece, self.flat[-1:] == b" ")
 
 
 def longest_repeat(text: bytes | bytearray, lo: int = MIN_MATCH, hi: int = MAX_MATCH
@@ -74,7 +101,8 @@ class TextLookupDrafter(Drafter):
     """Drafts the text that followed the longest repeated suffix of the context's text (its
     most recent occurrences with distinct continuations), and, as an alternative branch, what
     followed a suffix half as long (a copy from elsewhere: after a value the output already
-    wrote once, the text that followed it in the prompt)."""
+    wrote once, the text that followed it in the prompt); and, when the whitespace-collapsed
+    text matches further back than the text itself, what followed there, collapsed."""
 
     name = "text"
     origin = 16
@@ -82,37 +110,53 @@ class TextLookupDrafter(Drafter):
     def __init__(self, config: SRSDConfig) -> None:
         super().__init__(config)
         self._cache = TokenCache()
+        self._flat_cache = TokenCache()  # positions in the collapsed text
 
     def propose(self, inp: DraftInput) -> list[Proposal]:
-        text, tokenize = inp.text, inp.tokenize
+        text = inp.text
         n = len(text)
-        if tokenize is None or n <= MIN_MATCH:
+        if inp.tokenize is None or n <= MIN_MATCH:
             return []
         length, pos = longest_repeat(text)
-        depth = self.config.draft_depth
-        span = BYTES_PER_TOKEN * depth + 8
         out: list[Proposal] = []
         seen: set[bytes] = set()
+        flat, fsize, fat = inp.flat, 0, -1
+        if len(flat) > MIN_FLAT:
+            fsize, fat = longest_repeat(flat, MIN_FLAT)
+        if fsize > length:  # the copy re-wraps: its collapsed text matches further back
+            # (first, so that its longer match is the evidence of a continuation both share)
+            self._add(out, seen, self._flat_cache, flat, fat + fsize, fsize, inp)
+        room = MAX_PROPOSALS - (0 < fsize <= length)  # keep one for the collapsed text
         for size in (length, length // 2):
             if size < MIN_MATCH:
                 break
             suffix = text[n - size:]
             at = pos if size == length else text.rfind(suffix, 0, n - 1)
-            weight = min(1.0, size / 32)
-            agree = min(_MAX_AGREE, max(1, size // BYTES_PER_TOKEN))
             tries = 0
-            while at >= 0 and tries < MAX_PER_MATCH and len(out) < MAX_PROPOSALS:
+            while at >= 0 and tries < MAX_PER_MATCH and len(out) < room:
                 tries += 1
-                start = at + size
-                cont = bytes(text[start: start + span])
-                if cont[:8] not in seen:
-                    seen.add(cont[:8])
-                    toks = self._cache.tokens(start, cont, start + span >= n, depth // 2,
-                                              tokenize, inp.piece)
-                    if toks:
-                        out.append((np.asarray(toks[:depth], dtype=np.int32), weight, agree))
+                self._add(out, seen, self._cache, text, at + size, size, inp)
                 at = text.rfind(suffix, 0, at + size - 1)
+        if 0 < fsize <= length:  # at a line end the exact copy breaks the line, an
+            # unwrapping one goes on with a space: both are drafted
+            self._add(out, seen, self._flat_cache, flat, fat + fsize, fsize, inp)
         return out
+
+    def _add(self, out: list[Proposal], seen: set[bytes], cache: TokenCache,
+             text: bytes, start: int, size: int, inp: DraftInput) -> None:
+        """Propose the text from `start` (after a match of `size` bytes), unless a proposal
+        already starts the same way."""
+        depth = self.config.draft_depth
+        span = BYTES_PER_TOKEN * depth + 8
+        cont = bytes(text[start: start + span])
+        if cont[:8] in seen or inp.tokenize is None:
+            return
+        seen.add(cont[:8])
+        toks = cache.tokens(start, cont, start + span >= len(text), depth // 2, inp.tokenize,
+                            inp.piece)
+        if toks:
+            out.append((np.asarray(toks[:depth], dtype=np.int32), min(1.0, size / 32),
+                        min(_MAX_AGREE, max(1, size // BYTES_PER_TOKEN))))
 
 
 class TokenCache:
