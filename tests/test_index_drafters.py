@@ -55,6 +55,37 @@ def test_search_finds_itself_and_truncate_forgets(backend):
     assert idx.search(x[0], 0).positions.size == 0
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_added_one_at_a_time_are_stored_lazily_and_found_like_a_batch(backend):
+    # decode steps add one row each; they are stored in batches when a search needs them
+    x = _data(260) + 2.0
+    batch = VectorIndex(32, 400, backend)
+    batch.add(x[:100], 0)
+    batch.add(x[100:], np.arange(100, 260))
+    lazy = VectorIndex(32, 400, backend)
+    lazy.add(x[:100], 0)  # a prompt: the centre comes from its rows
+    for i in range(100, 260):
+        lazy.add(x[i], i)
+    assert len(lazy) == 260 and lazy._n - lazy._stored < 64  # never many rows unstored
+    for q in (x[5], x[150], x[259], _data(1, seed=3)[0]):
+        a, b = lazy.search(q, 6), batch.search(q, 6)
+        assert a.positions.tolist() == b.positions.tolist()
+        np.testing.assert_allclose(a.scores, b.scores, atol=1e-6)
+    # rows still pending when the context is cut back or copied are handled like stored ones
+    for i in range(260, 270):
+        lazy.add(x[i % 260], i)
+    copy = VectorIndex(32, 400, backend)
+    copy.add(x[:3], 0)
+    copy.add(x[3], 3)  # pending, then replaced
+    copy.copy_from(lazy, 265)
+    assert len(copy) == 265 and copy.search(x[5], 1).positions[0] == 5
+    lazy.add(x[0], 270)
+    lazy.truncate(262)
+    assert len(lazy) == 262 and lazy.search(x[1], 3).positions.max() < 262
+    lazy.add(x[7], 262)
+    assert lazy.search(x[7], 2).positions.tolist() in ([7, 262], [262, 7])
+
+
 def test_centre_is_estimated_once_from_the_first_rows():
     x = _data() + 5.0  # a shared offset that would dominate cosine similarity
     idx = VectorIndex(32, 400, "numpy")

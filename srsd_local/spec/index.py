@@ -63,6 +63,9 @@ class Hits:
     scores: np.ndarray  # float32 [k]
 
 
+MAX_PENDING = 64  # rows kept unstored at most (a prompt's chunk is stored at once)
+
+
 class VectorIndex:
     """Hidden-state rows -> context positions, bounded by `capacity` (the context size)."""
 
@@ -75,6 +78,11 @@ class VectorIndex:
         self.center: np.ndarray | None = None
         self._pos = np.zeros(min(capacity, 1024), dtype=np.int64)
         self._n = 0
+        # rows added but not stored yet (raw float32, with the centre they were added under):
+        # one row per decode step is stored in a batch when a search needs them, not one
+        # faiss call per step
+        self._pending: list[np.ndarray] = []
+        self._stored = 0
         self._buf: np.ndarray | None = None
         self._faiss_index = None
         self._gpu_res = None
@@ -106,11 +114,28 @@ class VectorIndex:
         """Centred, unit-length float32 rows rounded through float16 (what is stored), in
         a new array."""
         x = np.asarray(rows, dtype=np.float32).reshape(-1, self.dim)
-        if self.center is None:
-            self.center = x.mean(axis=0) if len(x) > 1 else np.zeros(self.dim, np.float32)
+        self._centre_on(x)
         x = x - self.center
         x /= np.maximum(np.sqrt(np.einsum("ij,ij->i", x, x)), np.float32(1e-6))[:, None]
         return x.astype(np.float16).astype(np.float32)
+
+    def _centre_on(self, x: np.ndarray) -> None:
+        """The centre is the mean of the first rows ever added (zero for a single row)."""
+        if self.center is None:
+            self.center = x.mean(axis=0) if len(x) > 1 else np.zeros(self.dim, np.float32)
+
+    def _flush(self) -> None:
+        """Store the pending rows."""
+        if not self._pending:
+            return
+        x = self._normalise(np.concatenate(self._pending) if len(self._pending) > 1
+                            else self._pending[0])
+        self._pending = []
+        if self._buf is not None:
+            self._buf[self._stored: self._stored + len(x)] = x
+        else:
+            self._faiss_index.add(x)
+        self._stored += len(x)
 
     def _grow(self, need: int) -> None:
         if need <= len(self._pos):
@@ -127,8 +152,8 @@ class VectorIndex:
     # -- API --------------------------------------------------------------------------------
     def add(self, rows: np.ndarray, positions: np.ndarray | list[int] | int) -> None:
         """Index new rows (only the new ones) for the given context positions (an int:
-        consecutive positions from there)."""
-        x = self._normalise(rows)
+        consecutive positions from there). They are stored when a search needs them."""
+        x = np.array(rows, dtype=np.float32).reshape(-1, self.dim)  # a copy: kept pending
         if isinstance(positions, (int, np.integer)):
             positions = np.arange(positions, positions + len(x), dtype=np.int64)
         else:
@@ -138,19 +163,20 @@ class VectorIndex:
         if self._n + len(x) > self.capacity:
             raise ValueError(f"index is full: {self._n} + {len(x)} rows > capacity "
                              f"{self.capacity} (the context size)")
+        self._centre_on(x)
         self._grow(self._n + len(x))
         self._pos[self._n: self._n + len(x)] = positions
-        if self._buf is not None:
-            self._buf[self._n: self._n + len(x)] = x
-        else:
-            self._faiss_index.add(x)
+        self._pending.append(x)
         self._n += len(x)
+        if self._n - self._stored >= MAX_PENDING:
+            self._flush()
 
     def search(self, query: np.ndarray, k: int) -> Hits:
         """The k most similar indexed positions to `query` (a raw hidden row), best first."""
         k = min(k, self._n)
         if k <= 0:
             return Hits(np.zeros(0, np.int64), np.zeros(0, np.float32))
+        self._flush()
         q = self._normalise(query)
         if self._buf is not None:
             scores = self._buf[: self._n].astype(np.float32) @ q[0]
@@ -168,6 +194,7 @@ class VectorIndex:
             return
         if not np.all(self._pos[:keep] < n):
             raise ValueError("index positions are not in increasing order; cannot truncate")
+        self._flush()
         if self._faiss_index is not None:
             if self.backend == "faiss-cpu":
                 faiss = _faiss()
@@ -177,7 +204,7 @@ class VectorIndex:
                 self._faiss_index = self._new_faiss_index()
                 if kept is not None:
                     self._faiss_index.add(kept)
-        self._n = keep
+        self._n = self._stored = keep
 
     def clear(self) -> None:
         self.truncate(0)
@@ -188,6 +215,7 @@ class VectorIndex:
         included: another request's context shares that prefix."""
         if other.dim != self.dim:
             raise ValueError(f"index dims differ: {other.dim} vs {self.dim}")
+        other._flush()
         other_keep = int(np.count_nonzero(other._pos[: other._n] < n))
         self.clear()
         self.center = None if other.center is None else other.center.copy()
@@ -203,7 +231,7 @@ class VectorIndex:
             self._buf[:other_keep] = rows
         else:
             self._faiss_index.add(np.ascontiguousarray(rows, dtype=np.float32))
-        self._n = other_keep
+        self._n = self._stored = other_keep
 
     def memory_bytes(self, n: int | None = None) -> int:
         """Bytes held for `n` vectors (default: the capacity): fp16 vectors + int64 positions."""
