@@ -80,14 +80,9 @@ class Drafter:
     def draft(self, inp: DraftInput, max_nodes: int | None = None) -> TokenTree:
         cfg = self.config
         tree = TokenTree(inp.root)
-        # retrieval's drafts first (sorted is stable), so the nodes it proposes are known as
-        # its own when the other sources' drafts pass through them
-        for (path, weight, agree), origin in sorted(self.tagged(inp),
-                                                    key=lambda t: not t[1] & RETRIEVAL):
-            if len(path):  # (a node retrieval proposed keeps retrieval's evidence, as it
-                # keeps its acceptance key: see acceptance_source)
-                tree.insert(path[: cfg.draft_depth], weight, agree, origin,
-                            defer=0 if origin & RETRIEVAL else RETRIEVAL)
+        for (path, weight, agree), origin in self.tagged(inp):
+            if len(path):
+                tree.insert(path[: cfg.draft_depth], weight, agree, origin)
         if len(inp.forced):
             tree.insert(list(inp.forced)[: cfg.draft_depth], 1.0 + tree.weights[0],
                         _MAX_AGREE, GRAMMAR)

@@ -78,28 +78,24 @@ class TokenTree:
         self.origin[new] = src.origin[node]
         return new
 
-    def insert(self, path: Sequence[int], weight: float, agree: int = 0, origin: int = 1,
-               defer: int = 0) -> None:
+    def insert(self, path: Sequence[int], weight: float, agree: int = 0, origin: int = 1
+               ) -> None:
         """Add a draft that follows the root; shared prefixes are stored once. `agree` is
         how many context tokens up to the root matched where the draft was found; `origin`
-        is the bit of the source that proposed it. On a node (the root included) that a
-        source of the bits `defer` already proposed, the draft adds only its bit and its
-        agreement: the node's weight and count (its share and strength) stay that source's."""
+        is the bit of the source that proposed it."""
         node = 0
-        self._count(0, weight, origin, defer)
+        self.weights[0] += weight
+        self.counts[0] += 1
+        self.origin[0] |= origin
         for tok in path:
             nxt = self._children[node].get(int(tok))
             if nxt is None:
                 nxt = self.add_node(node, int(tok))
-            self._count(nxt, weight, origin, defer)
+            self.weights[nxt] += weight
+            self.counts[nxt] += 1
             self.agree[nxt] = max(self.agree[nxt], agree)
+            self.origin[nxt] |= origin
             node = nxt
-
-    def _count(self, node: int, weight: float, origin: int, defer: int) -> None:
-        if not self.origin[node] & defer:
-            self.weights[node] += weight
-            self.counts[node] += 1
-        self.origin[node] |= origin
 
     def path_tokens(self, node: int) -> list[int]:
         """Tokens from just below the root down to `node`."""
