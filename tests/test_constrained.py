@@ -45,7 +45,30 @@ def test_schema_outputs_of_every_mode_are_valid_and_equal_plain_constrained_deco
             assert out.stats.forced_tokens > 0, "no grammar-forced draft was accepted"
 
 
-def test_a_forced_literal_is_drafted_and_accepted(engine):
+@pytest.fixture
+def seeded(engine):
+    """The engine with what the controller learned so far set aside: acceptance from the
+    model's calibration seeds only, no depth calibration, an empty n-gram pool (so a test's
+    outcome cannot depend on which tests ran before it); restored afterwards."""
+    from srsd_local.engine.calibrate import load_calibration_file
+    from srsd_local.spec.acceptance import AcceptanceModel
+    from srsd_local.spec.speculator import SEED_TRIALS
+
+    spec = engine.speculator
+    saved = spec.acceptance, spec.depth_calibration
+    fresh = AcceptanceModel()
+    fresh.load_json((load_calibration_file(engine.model_path) or {}).get("acceptance", []),
+                    cap=SEED_TRIALS)
+    spec.acceptance, spec.depth_calibration = fresh, {}
+    engine.forget_outputs()
+    try:
+        yield engine
+    finally:
+        spec.acceptance, spec.depth_calibration = saved
+
+
+def test_a_forced_literal_is_drafted_and_accepted(seeded):
+    engine = seeded
     prompt = "Question: is water wet?\n"
     plain = engine.generate(prompt, max_tokens=40, mode="ar", grammar=GBNF)
     fast = engine.generate(prompt, max_tokens=40, mode="srsd", grammar=GBNF)
