@@ -11,7 +11,8 @@
 # Writes OUT_DIR/gpu.json, gpu.png, benchmarks-gpu.md (a docs/benchmarks.md section),
 # logits-cost.md (scripts/logits_cost.py) and the logs. Sized for about 3-4 minutes on an H200
 # (4 prompts of each workload, 5 modes of ours,
-# then the concurrency run, which SKIP_CONCURRENCY=1 leaves out;
+# then ar and srsd again with --sample-in-graph (SKIP_IN_GRAPH=1 leaves it out), then the
+# concurrency run, which SKIP_CONCURRENCY=1 leaves out;
 # the llama-server modes add about as much again; MODES=... overrides the list). The
 # llama-server peers need a CUDA build of llama-server from the same llama.cpp (scripts/build_llama_server.sh with
 # LLAMA_SERVER_CMAKE_ARGS=-DGGML_CUDA=ON, on a machine with the CUDA toolkit): pass its path in
@@ -45,6 +46,14 @@ python3 -m srsd_local.cli bench --model "$model" --workload "$workload" --modes 
     --max-prompts "$max_prompts" --n-gpu-layers -1 --label GPU ${peer[@]+"${peer[@]}"} \
     --json "$out/gpu.json" --plot "$out/gpu.png" --doc "$out/benchmarks-gpu.md" \
     2>&1 | tee "$out/bench.log"
+# greedy trees with the argmax in llama.cpp's graph (--sample-in-graph) against the default
+# (every logits row copied out, numpy argmax), same prompts, one run each
+if [[ -z "${SKIP_IN_GRAPH:-}" ]]; then
+    python3 -m srsd_local.cli bench --model "$model" --workload "$workload" --modes ar,srsd \
+        --max-prompts "$max_prompts" --n-gpu-layers -1 --sample-in-graph --label GPU-in-graph \
+        --json "$out/gpu-in-graph.json" --doc "$out/benchmarks-gpu.md" \
+        2>&1 | tee "$out/bench-in-graph.log"
+fi
 # several clients at once: total and per-request tokens/s with 1, 2, 4 and 8 clients (the
 # engine's --parallel 8 next to llama-server -np 8), and the gap a 2k-token prompt causes
 if [[ -z "${SKIP_CONCURRENCY:-}" ]]; then

@@ -163,6 +163,11 @@ class SRSDConfig:
     max_nodes: int = 32
     max_branches: int = 8
     adaptive: bool = True
+    # greedy trees verified with llama.cpp's own greedy sampler: the argmax of each tree row
+    # is taken inside its graph and only token ids come back, instead of every row's logits
+    # being copied out for a numpy argmax (measured slower on a 2-core CPU: see
+    # scripts/logits_cost.py; meant for GPUs, where each logits row is a 1 MB copy)
+    sample_in_graph: bool = False
     # n-gram drafter (in srsd/hybrid trees, and as mode "pld")
     ngram_max: int = 4
     ngram_min: int = 1
@@ -211,6 +216,8 @@ class SRSDConfig:
         _int("max_nodes", self.max_nodes, 1, 255)
         _int("max_branches", self.max_branches, 1, 255)
         _check(isinstance(self.adaptive, bool), "adaptive", self.adaptive, "True or False")
+        _check(isinstance(self.sample_in_graph, bool), "sample_in_graph", self.sample_in_graph,
+               "True or False")
         _int("ngram_max", self.ngram_max, 1, 64)
         _int("ngram_min", self.ngram_min, 1, self.ngram_max)
         _int("ngram_matches", self.ngram_matches, 1, 64)
@@ -222,12 +229,15 @@ class SRSDConfig:
         _check(self.max_nodes + 1 <= self.n_ubatch, "max_nodes", self.max_nodes,
                f"a value < n_ubatch ({self.n_ubatch}): a tree is verified in one ubatch")
         need = self.slots * (self.max_branches + 1)
+        per = "(2 * max_branches + 1)" if self.sample_in_graph else "(max_branches + 1)"
+        if self.sample_in_graph:  # each slot also has a block of sampled branch ids
+            need += self.slots * self.max_branches
         if self.n_seq_max:
             _check(need <= self.n_seq_max, "max_branches", self.max_branches,
-                   f"a value with parallel * (max_branches + 1) <= n_seq_max "
+                   f"a value with parallel * {per} <= n_seq_max "
                    f"({self.n_seq_max}): one sequence id per branch of every slot")
         _check(need <= 256, "max_branches", self.max_branches,
-               "a value with parallel * (max_branches + 1) <= 256 (llama.cpp's sequence ids)"
+               f"a value with parallel * {per} <= 256 (llama.cpp's sequence ids)"
                f"; parallel is {self.slots}")
 
     @property
@@ -238,7 +248,13 @@ class SRSDConfig:
     @property
     def seq_max(self) -> int:
         """Sequence ids of the llama.cpp context (`n_seq_max`, resolved)."""
-        return self.n_seq_max or self.slots * (self.max_branches + 1)
+        return self.n_seq_max or self.slots * (self.max_branches + 1) + (
+            self.slots * self.max_branches if self.sample_in_graph else 0)
+
+    def graph_branch_base(self, slot: int) -> int:
+        """With sample_in_graph: the first of slot `slot`'s sampled branch sequence ids (after
+        every slot's ordinary ids)."""
+        return self.slots * (self.max_branches + 1) + slot * self.max_branches
 
 
 

@@ -30,7 +30,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ import numpy as np
 
 from .. import store
 from ..config import SamplingParams, SRSDConfig
-from ..llama.backend import Backend, ContextFullError
+from ..llama.backend import Backend, ContextFullError, DecodeError
 from ..llama.chat import render_chat
 from ..llama.grammar import Constraint, ConstraintSpec, Forcing, GrammarState
 from ..llama.models import resolve_model
@@ -539,6 +539,7 @@ class Engine:
         for w in works:
             k = int(np.count_nonzero(w.flags))
             w.logits = out.logits[row: row + k]
+            w.sampled = None if out.sampled is None else out.sampled[row: row + k]
             w.hidden = None if out.hidden is None else out.hidden[tok: tok + len(w)]
             row, tok = row + k, tok + len(w)
 
@@ -674,6 +675,11 @@ class Engine:
         stats = job.stats
         emit = Emitter(be.piece, be.is_eog, job.max_tokens, job.stops)
         n_lp = job.logprobs
+        # trees verified by llama.cpp's greedy sampler: plain argmax only (no constraint, no
+        # log-probabilities, nothing that reshapes the logits)
+        in_graph = (bool(be.graph_seqs) and type(sampler) is Sampler and sampler.params.greedy
+                    and n_lp is None)
+        graph_first = self.config.graph_branch_base(slot.base // (self.config.max_branches + 1))
 
         # 1. prefill
         t0 = time.perf_counter()
@@ -730,18 +736,24 @@ class Engine:
                 path, y, path_tokens = [0], sampler(w.logits[0]), [x]
             else:
                 lay = plan.tree.layout()
-                be.seq_fork(slot.base, lay.n_branches)
+                # a plain greedy tree can take its argmax in llama.cpp's graph: its
+                # branches then live on the slot's sampled sequence ids
+                first = graph_first if in_graph else slot.base
+                be.seq_fork(slot.base, lay.n_branches, first)
                 try:
                     w = Work(lay.tokens, n + lay.depths,
-                             [[slot.base + b for b in ids] for ids in lay.seq_ids],
+                             [[first + b for b in ids] for ids in lay.seq_ids],
                              np.ones(len(lay.tokens), np.int8), req.uses_index)
                     yield w
-                    path, y = walk_tree(plan.tree, w.logits.__getitem__, sampler)
+                    if in_graph:
+                        path, y = walk_tree(plan.tree, _graph_rows(w), int)
+                    else:
+                        path, y = walk_tree(plan.tree, w.logits.__getitem__, sampler)
                 except BaseException:  # nothing of the tree may stay in the cache
-                    be.seq_abandon(slot.base, lay.n_branches, n)
+                    be.seq_abandon(slot.base, lay.n_branches, n, first)
                     raise
-                be.seq_commit(slot.base, slot.base + lay.seq_ids[path[-1]][0], n,
-                              n + len(path), lay.n_branches)
+                be.seq_commit(slot.base, first + lay.seq_ids[path[-1]][0], n,
+                              n + len(path), lay.n_branches, first)
                 path_tokens = [plan.tree.tokens[i] for i in path]
             tc = time.perf_counter()
 
@@ -873,6 +885,16 @@ class _Job:
                 pass
         self.error = exc
         self.done = True
+
+
+def _graph_rows(w: Work) -> Callable[[int], int]:
+    """The tree walk's row lookup for a tree sampled in llama.cpp's graph: the token it took
+    at each node."""
+    got = w.sampled
+    if got is None or len(got) != len(w.tokens) or int(got.min()) < 0:
+        raise DecodeError("llama.cpp returned no in-graph sampled token for a tree row "
+                          "(sample_in_graph)")
+    return got.__getitem__
 
 
 def collect(events: Iterator[StreamEvent]) -> GenerationResult:

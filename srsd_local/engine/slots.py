@@ -84,6 +84,7 @@ class Work:
     prefill: bool = False  # a prompt chunk (not a decoding step)
     logits: np.ndarray | None = None
     hidden: np.ndarray | None = None
+    sampled: np.ndarray | None = None  # per flagged token: llama.cpp's in-graph argmax, or -1
     decode_seconds: float = 0.0
 
     def __len__(self) -> int:

@@ -99,7 +99,12 @@ def device_names() -> list[str]:
 @dataclass
 class DecodeOutput:
     logits: np.ndarray  # float32 [n_outputs, n_vocab]; a view valid until the next decode
+    # (rows of a llama_decode call whose every output row was sampled in llama.cpp's graph
+    # are not copied out: those rows read as NaN)
     hidden: np.ndarray | None  # float32 [n_tokens, n_embd] of the capture layer
+    # per output row: the token llama.cpp's in-graph greedy sampler took (-1: the row's first
+    # sequence has none); None when no row had one
+    sampled: np.ndarray | None = None
 
 
 class Backend:
@@ -132,6 +137,9 @@ class Backend:
             raise ValueError(f"llama.cpp could not load the model {self.model_path!r} "
                              "(is it a GGUF of an architecture this llama.cpp supports?)")
         self.ctx = None
+        self._chains: list = []
+        self.graph_seqs: frozenset[int] = frozenset()  # sequences sampled in llama.cpp's graph
+        self.graph_rows = 0  # output rows whose token llama.cpp's graph took, ever
         self.capture: HiddenCapture | CompiledCapture | None = None
         try:
             self.vocab = L.llama_model_get_vocab(self.model)
@@ -152,6 +160,8 @@ class Backend:
             cparams.kv_unified = True
             cparams.swa_full = True
             cparams.no_perf = True
+            if config.sample_in_graph and outputs_per_seq is None:
+                outputs_per_seq = config.max_nodes + 1  # a tree's rows on one branch
             if outputs_per_seq is not None:
                 cparams.n_outputs_max_per_seq = outputs_per_seq
             if self.capture is not None:
@@ -165,6 +175,10 @@ class Backend:
             self.n_ctx = L.llama_n_ctx(self.ctx)
             self.n_batch = L.llama_n_batch(self.ctx)  # llama.cpp clamps it to n_ctx
             self.mem = L.llama_get_memory(self.ctx)
+            if config.sample_in_graph:
+                self._attach_greedy([config.graph_branch_base(i) + b
+                                     for i in range(config.slots)
+                                     for b in range(config.max_branches)])
             self._batch = L.llama_batch_init(self.n_batch, 0, config.seq_max)
             cap = self.n_batch
             self._b_tok = np.ctypeslib.as_array(self._batch.token, shape=(cap,))
@@ -186,6 +200,20 @@ class Backend:
             self.close()
             raise
 
+    def _attach_greedy(self, seqs: Sequence[int]) -> None:
+        """A greedy sampler chain of llama.cpp's on each of these sequences (one chain each:
+        a chain serves one sequence), so their rows' argmax is taken in its graph."""
+        L = self._L
+        for s in seqs:
+            chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
+            self._chains.append(chain)
+            if not L.llama_set_sampler(self.ctx, s, chain):
+                raise ValueError("sample_in_graph: llama.cpp could not take the argmax in its "
+                                 "graph on this device setup (backend sampling is not "
+                                 "supported with a tensor split); run without it")
+        self.graph_seqs = frozenset(seqs)
+
     # -- lifecycle ------------------------------------------------------------------------
     def close(self) -> None:
         L = self._L
@@ -195,6 +223,9 @@ class Backend:
         if self.ctx:
             L.llama_free(self.ctx)
             self.ctx = None
+        for chain in getattr(self, "_chains", ()):  # the context no longer uses them
+            L.llama_sampler_free(chain)
+        self._chains = []
         if self.model:
             L.llama_model_free(self.model)
             self.model = None
@@ -295,18 +326,24 @@ class Backend:
             raise ContextFullError(f"context is full: {top} tokens, n_ctx={self.n_ctx}")
         toks = np.asarray(tokens, dtype=np.int32)
         cap = self.n_batch
-        logits_parts, hidden_parts = [], []
+        logits_parts, hidden_parts, sampled_parts = [], [], []
         for s in range(0, n, cap):
             e = min(n, s + cap)
-            self._fill(toks[s:e], pos[s:e], None if seq_ids is None else seq_ids[s:e],
-                       flags[s:e])
+            ids = None if seq_ids is None else seq_ids[s:e]
+            self._fill(toks[s:e], pos[s:e], ids, flags[s:e])
             if self.capture is not None:
                 self.capture.reset()
             self._decode_batch(e - s)
             n_out = int(flags[s:e].sum())
-            if n_out:  # a view of llama.cpp's buffer: the next call overwrites it
+            raw = True
+            if n_out and self.graph_seqs and ids is not None:
+                raw, got = self._sampled(ids, flags[s:e])
+                sampled_parts.append(got)
+            if n_out and raw:  # a view of llama.cpp's buffer: the next call overwrites it
                 view = self._logits(n_out)
                 logits_parts.append(view if e == n else view.copy())
+            elif n_out:  # not copied out by llama.cpp: every row was sampled in its graph
+                logits_parts.append(np.broadcast_to(np.float32(np.nan), (n_out, self.n_vocab)))
             if self.capture is not None:
                 hidden_parts.append(self.capture.rows())
         if seq_ids is None:  # a plain decode of sequence 0; tree passes end with commit()
@@ -317,7 +354,30 @@ class Backend:
         hidden = None
         if hidden_parts and all(h is not None for h in hidden_parts):
             hidden = hidden_parts[0] if len(hidden_parts) == 1 else np.concatenate(hidden_parts)
-        return DecodeOutput(logits=logits, hidden=hidden)
+        sampled = None
+        if any(len(p) and p.max() >= 0 for p in sampled_parts):
+            sampled = np.concatenate(sampled_parts) if len(sampled_parts) > 1 else \
+                sampled_parts[0]
+        return DecodeOutput(logits=logits, hidden=hidden, sampled=sampled)
+
+    def _sampled(self, seq_ids: Sequence[Sequence[int]], flags: np.ndarray
+                 ) -> tuple[bool, np.ndarray]:
+        """After a llama_decode call: (whether llama.cpp copied the logits rows out, the
+        in-graph sampled token of each output row or -1). llama.cpp copies the rows unless
+        every output row's sequences all have a sampler; a row's sampler is its first
+        sequence's."""
+        graph, L = self.graph_seqs, self._L
+        out_rows = np.flatnonzero(flags)
+        raw = False
+        got = np.full(len(out_rows), -1, dtype=np.int32)
+        for k, i in enumerate(out_rows.tolist()):
+            ids = seq_ids[i]
+            if any(q not in graph for q in ids):
+                raw = True
+            if ids[0] in graph:
+                got[k] = L.llama_get_sampled_token_ith(self.ctx, i)
+        self.graph_rows += int(np.count_nonzero(got >= 0))
+        return raw, got
 
     def step(self, token: int) -> DecodeOutput:
         """Decode one token of sequence 0 at n_past with its logits: the plain step, without
@@ -424,32 +484,40 @@ class Backend:
     # Sequence-explicit operations (the engine's slots: each owns a main sequence id `base`
     # and the branch ids base+1..base+B-1 of its trees); the methods without `seq_` work on
     # sequence 0 and `n_past` (single-sequence use: profiling, verification, tests).
-    def seq_fork(self, base: int, n_branches: int) -> None:
-        """Copy sequence `base` into base+1..base+n_branches-1 (branch 0 is `base` itself)."""
-        if n_branches > self.config.max_branches + 1:
+    def seq_fork(self, base: int, n_branches: int, first: int | None = None) -> None:
+        """Copy sequence `base` into the branch ids first..first+n_branches-1 (default
+        first = base: branch 0 is `base` itself)."""
+        first = base if first is None else first
+        if n_branches > self.config.max_branches + (first == base):
             raise ValueError(f"{n_branches} branches > max_branches + 1 "
                              f"({self.config.max_branches + 1})")
-        for s in range(base + 1, base + n_branches):
-            self._L.llama_memory_seq_cp(self.mem, base, s, -1, -1)
+        for s in range(first, first + n_branches):
+            if s != base:
+                self._L.llama_memory_seq_cp(self.mem, base, s, -1, -1)
 
     def seq_commit(self, base: int, winner: int, start: int, keep_until: int,
-                   n_branches: int) -> None:
+                   n_branches: int, first: int | None = None) -> None:
         """After a tree pass from position `start`: keep the cells of sequence `winner` (one
-        of base..base+n_branches-1) up to `keep_until` as sequence `base`, drop the rest the
-        pass wrote. Other sequences (other slots) are untouched."""
+        of the branch ids first..first+n_branches-1) up to `keep_until` as sequence `base`,
+        drop the rest the pass wrote. Other sequences (other slots) are untouched."""
         L, mem = self._L, self.mem
+        first = base if first is None else first
         if winner != base:
             self._seq_rm(base, start)
             L.llama_memory_seq_cp(mem, winner, base, start, -1)
-        for s in range(base + 1, base + n_branches):
-            L.llama_memory_seq_rm(mem, s, -1, -1)
+        for s in range(first, first + n_branches):
+            if s != base:
+                L.llama_memory_seq_rm(mem, s, -1, -1)
         self._seq_rm(base, keep_until)
 
-    def seq_abandon(self, base: int, n_branches: int, start: int) -> None:
+    def seq_abandon(self, base: int, n_branches: int, start: int,
+                    first: int | None = None) -> None:
         """Undo a tree pass from position `start` that will not be committed (an error
         between fork and commit): branch sequences and the tree's cells in `base` go."""
-        for s in range(base + 1, base + n_branches):
-            self._L.llama_memory_seq_rm(self.mem, s, -1, -1)
+        first = base if first is None else first
+        for s in range(first, first + n_branches):
+            if s != base:
+                self._L.llama_memory_seq_rm(self.mem, s, -1, -1)
         self._seq_rm(base, start)
 
     def seq_trim(self, seq: int, start: int) -> None:

@@ -1,0 +1,85 @@
+"""sample_in_graph on the real default model: greedy trees verified with llama.cpp's in-graph
+greedy sampler (only token ids come back) give plain decoding's tokens at every position, and
+requests that need the logits (sampled, constrained, log-probabilities) still get them, alone
+and sharing a batch with in-graph trees."""
+
+from __future__ import annotations
+
+import pytest
+
+from srsd_local.bench.workloads import load_workload
+from srsd_local.config import SRSDConfig
+
+pytestmark = pytest.mark.model
+
+EDIT = load_workload("code_edit")[0]
+JSON = load_workload("json")[0]
+
+
+@pytest.fixture(scope="module")
+def graph_engine(model_path):
+    from srsd_local.engine import Engine
+
+    # no controller: a tree every step, whatever this machine's costs say about them
+    eng = Engine.load(model_path, n_ctx=4096, learned=False, sample_in_graph=True,
+                      parallel=2, adaptive=False, max_nodes=16, max_branches=4)
+    yield eng
+    eng.close()
+
+
+def test_config_reserves_a_block_of_sampled_branch_ids_per_slot():
+    cfg = SRSDConfig(parallel=2, max_branches=4, sample_in_graph=True)
+    assert cfg.seq_max == 2 * 5 + 2 * 4
+    assert [cfg.graph_branch_base(i) for i in range(2)] == [10, 14]
+    assert SRSDConfig(parallel=2, max_branches=4).seq_max == 10
+    with pytest.raises(ValueError, match="2 \\* max_branches \\+ 1"):
+        SRSDConfig(parallel=4, max_branches=40, sample_in_graph=True)
+    with pytest.raises(ValueError, match="sample_in_graph"):
+        SRSDConfig(sample_in_graph="yes")
+
+
+def test_greedy_trees_sampled_in_graph_equal_plain_decoding(graph_engine):
+    be = graph_engine.backend
+    for mode in ("srsd", "retrieval"):
+        rows0 = be.graph_rows
+        out = graph_engine.generate(EDIT.prompt, max_tokens=96, mode=mode)
+        assert out.stats.drafts > 0 and out.stats.accepted_tokens > 0
+        # every verified tree's rows came back as llama.cpp's argmax
+        assert be.graph_rows - rows0 >= out.stats.drafts * 2
+        rep = graph_engine.verify_output(EDIT.prompt, out.token_ids)
+        assert rep.ok, (mode, rep.summary())
+
+
+def test_requests_that_need_logits_still_get_them(graph_engine):
+    be = graph_engine.backend
+    rows0 = be.graph_rows
+    # constrained greedy: the grammar picks from the logits, so no in-graph rows
+    out = graph_engine.generate(JSON.prompt, max_tokens=JSON.max_tokens, mode="srsd",
+                                json_schema=JSON.json_schema)
+    assert out.stats.drafts > 0
+    assert graph_engine.verify_output(JSON.prompt, out.token_ids,
+                                      json_schema=JSON.json_schema).ok
+    # log-probabilities come from the rows too
+    lp = graph_engine.generate(EDIT.prompt, max_tokens=24, mode="srsd", logprobs=2)
+    assert len(lp.logprobs) == len(lp.token_ids)
+    assert all(-50.0 < e.logprob <= 0.0 for e in lp.logprobs)
+    # sampled trees draw from the rows: finite log-probabilities show they were real logits
+    sampled = graph_engine.generate(EDIT.prompt, max_tokens=48, mode="srsd", temperature=0.3,
+                                    seed=7, logprobs=0)
+    assert sampled.stats.drafts > 0 and len(sampled.token_ids) == 48
+    assert all(-50.0 < e.logprob <= 0.0 for e in sampled.logprobs)
+    assert be.graph_rows == rows0
+
+
+def test_in_graph_and_logits_trees_share_a_batch(graph_engine):
+    be = graph_engine.backend
+    rows0 = be.graph_rows
+    greedy, sampled = graph_engine.generate_many([
+        {"prompt": EDIT.prompt, "max_tokens": 64, "mode": "srsd"},
+        {"prompt": EDIT.prompt, "max_tokens": 64, "mode": "srsd", "temperature": 0.7,
+         "seed": 3},
+    ])
+    assert be.graph_rows > rows0
+    assert greedy.stats.drafts > 0 and sampled.stats.drafts > 0
+    assert len(sampled.token_ids) == 64
+    assert graph_engine.verify_output(EDIT.prompt, greedy.token_ids).ok
