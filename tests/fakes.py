@@ -122,19 +122,27 @@ class FakeBackend:
         return self.decode([token], positions=[pos], seq_ids=[[seq]])
 
     # sequence-explicit KV operations (the engine's slots)
-    def seq_fork(self, base: int, n_branches: int) -> None:
-        for s in range(base + 1, base + n_branches):
+    graph_seqs: frozenset = frozenset()  # no in-graph sampling here
+
+    @staticmethod
+    def _branches(base: int, n_branches: int, first: int | None) -> list[int]:
+        first = base if first is None else first
+        return [s for s in range(first, first + n_branches) if s != base]
+
+    def seq_fork(self, base: int, n_branches: int, first: int | None = None) -> None:
+        for s in self._branches(base, n_branches, first):
             self.seqs[s] = list(self.seqs.get(base, []))
 
     def seq_commit(self, base: int, winner: int, start: int, keep_until: int,
-                   n_branches: int) -> None:
+                   n_branches: int, first: int | None = None) -> None:
         kept = self.seqs[winner][:keep_until]
-        for s in range(base + 1, base + n_branches):
+        for s in self._branches(base, n_branches, first):
             self.seqs.pop(s, None)
         self.seqs[base] = kept
 
-    def seq_abandon(self, base: int, n_branches: int, start: int) -> None:
-        for s in range(base + 1, base + n_branches):
+    def seq_abandon(self, base: int, n_branches: int, start: int,
+                    first: int | None = None) -> None:
+        for s in self._branches(base, n_branches, first):
             self.seqs.pop(s, None)
         self.seqs[base] = self.seqs.get(base, [])[:start]
 
