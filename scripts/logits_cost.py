@@ -9,9 +9,9 @@ Prints two markdown tables:
    difference is the output layer and the logits copy of the other rows);
 2. a 16-node tree of 4 branches, verified (a) as the engine does today: logits of every node
    copied to the host, argmax in numpy, and (b) with a greedy backend sampler attached to
-   every sequence, so llama.cpp takes the argmax in its graph and copies only token ids
-   (`llama_set_sampler`, `llama_get_sampled_token_ith`, an experimental llama.cpp API). It
-   also checks that both give the same token for every node.
+   the branches' sequences (the engine's `sample_in_graph`), so llama.cpp takes the argmax
+   in its graph and copies only token ids (`llama_set_sampler`, `llama_get_sampled_token_ith`,
+   an experimental llama.cpp API). It also checks that both give the same token for every node.
 
 Ratios come from one run, minimum over repeats (other load only ever adds time).
 """
@@ -57,31 +57,32 @@ def output_share(be: Backend, toks: list[int], reps: int) -> None:
               f"{row['all'] / row['last']:.2f} |")
 
 
-def tree_batch(toks: list[int]) -> tuple[list[int], list[int], list[list[int]]]:
-    """A root shared by all branches, then NODES-1 nodes spread over BRANCHES chains."""
+def tree_batch(toks: list[int], first: int) -> tuple[list[int], list[int], list[list[int]]]:
+    """A root shared by all branches, then NODES-1 nodes spread over BRANCHES chains whose
+    sequence ids start at `first`."""
     tokens = [toks[CTX]] + toks[5: 5 + NODES - 1]
     depths = [0] + [1 + i // BRANCHES for i in range(NODES - 1)]  # node i: branch i % B
-    seqs = [list(range(BRANCHES))] + [[i % BRANCHES] for i in range(NODES - 1)]
+    seqs = [[first + b for b in range(BRANCHES)]] + [[first + i % BRANCHES]
+                                                    for i in range(NODES - 1)]
     return tokens, [CTX + d for d in depths], seqs
 
 
-def verify_tree(be: Backend, toks: list[int], in_graph: bool) -> tuple[list[int], float, float]:
-    """(token per node, seconds in llama_decode, seconds to get the tokens out after it)."""
-    L = be._L
-    tokens, pos, seqs = tree_batch(toks)
-    for s in range(1, BRANCHES):
-        L.llama_memory_seq_rm(be.mem, s, -1, -1)
-        L.llama_memory_seq_cp(be.mem, 0, s, -1, -1)
+def verify_tree(be: Backend, toks: list[int]) -> tuple[list[int], float, float]:
+    """(token per node, seconds in llama_decode, seconds to get the tokens out after it).
+    A backend with sample_in_graph puts the branches on its sampled sequence ids, as the
+    engine does for greedy trees."""
+    first = be.config.graph_branch_base(0) if be.graph_seqs else 0
+    tokens, pos, seqs = tree_batch(toks, first)
+    be.seq_fork(0, BRANCHES, first)
     t0 = time.perf_counter()
     out = be.decode(tokens, pos, seqs, want_logits="all")
     t1 = time.perf_counter()
-    if in_graph:
-        ys = [int(L.llama_get_sampled_token_ith(be.ctx, i)) for i in range(len(tokens))]
+    if out.sampled is not None:
+        ys = out.sampled.tolist()
     else:
         ys = [int(out.logits[i].argmax()) for i in range(len(tokens))]
     t2 = time.perf_counter()
-    for s in range(BRANCHES):
-        L.llama_memory_seq_rm(be.mem, s, CTX, -1)
+    be.seq_abandon(0, BRANCHES, CTX, first)
     return ys, t1 - t0, t2 - t1
 
 
@@ -95,17 +96,8 @@ def main() -> None:
     path = resolve_model(args.model)
     cfg = SRSDConfig(n_ctx=1024, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads)
     plain = Backend(path, cfg)
-    # the same model with a greedy sampler chain on every sequence id (one chain each: a
-    # chain can serve one sequence), and room for a tree's rows on one sequence
-    sampled = Backend(path, cfg, outputs_per_seq=64)
-    L = sampled._L
-    chains = []
-    for s in range(cfg.seq_max):
-        chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
-        if not L.llama_set_sampler(sampled.ctx, s, chain):
-            raise SystemExit(f"llama.cpp could not attach a greedy sampler to sequence {s}")
-        chains.append(chain)
+    # the same model with llama.cpp's greedy sampler on the sampled branch ids
+    sampled = Backend(path, cfg.with_(sample_in_graph=True))
     toks = plain.tokenize(TEXT)
     for be in (plain, sampled):
         be.decode(toks[:CTX], want_logits="none")
@@ -113,23 +105,19 @@ def main() -> None:
     print(f"## Output layer share ({path.name}, n_gpu_layers={args.n_gpu_layers})\n")
     output_share(plain, toks, args.reps)
 
-    ref = verify_tree(plain, toks, False)[0]
-    got = verify_tree(sampled, toks, True)[0]
+    ref = verify_tree(plain, toks)[0]
+    got = verify_tree(sampled, toks)[0]
     same = sum(a == b for a, b in zip(ref, got))
     print(f"\n## A {NODES}-node tree: argmax in numpy vs in llama.cpp's graph\n")
     print(f"same token at {same} of {NODES} nodes\n")
     print("| verification | ms in llama_decode | ms after it (tokens out) | total ms |")
     print("|---|---|---|---|")
-    for name, be, in_graph in (("logits copied, numpy argmax", plain, False),
-                               ("greedy backend sampler", sampled, True)):
-        runs = [verify_tree(be, toks, in_graph)[1:] for _ in range(args.reps)]
+    for name, be in (("logits copied, numpy argmax", plain),
+                     ("greedy backend sampler", sampled)):
+        runs = [verify_tree(be, toks)[1:] for _ in range(args.reps)]
         dec = min(r[0] for r in runs)
         host = float(np.median([r[1] for r in runs]))
         print(f"| {name} | {1000 * dec:.2f} | {1000 * host:.3f} | {1000 * (dec + host):.2f} |")
-    for s in range(len(chains)):  # detach before the chains are freed
-        L.llama_set_sampler(sampled.ctx, s, None)
-    for chain in chains:
-        L.llama_sampler_free(chain)
     sampled.close()
     plain.close()
 

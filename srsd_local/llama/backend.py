@@ -111,11 +111,7 @@ class Backend:
     """One llama.cpp model and context. Use as a context manager or call `close()`."""
 
     def __init__(self, model_path: str | Path, config: SRSDConfig,
-                 capture_layer: int | float | None = None,
-                 outputs_per_seq: int | None = None) -> None:
-        """`outputs_per_seq`: llama.cpp's n_outputs_max_per_seq (how many output rows one
-        sequence may have in a batch when llama.cpp samples in its graph; see
-        scripts/logits_cost.py); None leaves llama.cpp's default."""
+                 capture_layer: int | float | None = None) -> None:
         L = self._L = _llama()
         self.config = config
         self.model_path = str(model_path)
@@ -160,10 +156,9 @@ class Backend:
             cparams.kv_unified = True
             cparams.swa_full = True
             cparams.no_perf = True
-            if config.sample_in_graph and outputs_per_seq is None:
-                outputs_per_seq = config.max_nodes + 1  # a tree's rows on one branch
-            if outputs_per_seq is not None:
-                cparams.n_outputs_max_per_seq = outputs_per_seq
+            if config.sample_in_graph:  # output rows one sampled sequence may have in a
+                # batch: a tree's root and its nodes on one branch
+                cparams.n_outputs_max_per_seq = config.max_nodes + 1
             if self.capture is not None:
                 cparams.cb_eval = self.capture.callback
                 cparams.cb_eval_user_data = self.capture.user_data
