@@ -83,3 +83,14 @@ def test_in_graph_and_logits_trees_share_a_batch(graph_engine):
     assert greedy.stats.drafts > 0 and sampled.stats.drafts > 0
     assert len(sampled.token_ids) == 64
     assert graph_engine.verify_output(EDIT.prompt, greedy.token_ids).ok
+
+
+def test_cli_flag_reaches_the_engine_config():
+    from srsd_local.cli import _engine_config, build_parser
+
+    for cmd in (["generate", "--prompt", "x"], ["serve"], ["ui"], ["bench"],
+                ["verify", "--prompt", "x"]):
+        on = _engine_config(build_parser().parse_args([*cmd, "--sample-in-graph"]))
+        off = _engine_config(build_parser().parse_args(cmd))
+        assert SRSDConfig(**on).sample_in_graph is True, cmd
+        assert SRSDConfig(**off).sample_in_graph is False, cmd
