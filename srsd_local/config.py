@@ -228,10 +228,8 @@ class SRSDConfig:
                f"a value <= n_batch ({self.n_batch})")
         _check(self.max_nodes + 1 <= self.n_ubatch, "max_nodes", self.max_nodes,
                f"a value < n_ubatch ({self.n_ubatch}): a tree is verified in one ubatch")
-        need = self.slots * (self.max_branches + 1)
+        need = self._ids_needed
         per = "(2 * max_branches + 1)" if self.sample_in_graph else "(max_branches + 1)"
-        if self.sample_in_graph:  # each slot also has a block of sampled branch ids
-            need += self.slots * self.max_branches
         if self.n_seq_max:
             _check(need <= self.n_seq_max, "max_branches", self.max_branches,
                    f"a value with parallel * {per} <= n_seq_max "
@@ -248,8 +246,13 @@ class SRSDConfig:
     @property
     def seq_max(self) -> int:
         """Sequence ids of the llama.cpp context (`n_seq_max`, resolved)."""
-        return self.n_seq_max or self.slots * (self.max_branches + 1) + (
-            self.slots * self.max_branches if self.sample_in_graph else 0)
+        return self.n_seq_max or self._ids_needed
+
+    @property
+    def _ids_needed(self) -> int:
+        """Sequence ids the slots use: per slot its main id and max_branches branch ids, and
+        with sample_in_graph a second block of max_branches sampled branch ids."""
+        return self.graph_branch_base(self.slots if self.sample_in_graph else 0)
 
     def graph_branch_base(self, slot: int) -> int:
         """With sample_in_graph: the first of slot `slot`'s sampled branch sequence ids (after

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from srsd_local.llama.backend import ContextFullError, DecodeOutput
+from srsd_local.llama.backend import Backend, ContextFullError, DecodeOutput
 
 VOCAB = 64
 EOS = 1
@@ -123,11 +123,7 @@ class FakeBackend:
 
     # sequence-explicit KV operations (the engine's slots)
     graph_seqs: frozenset = frozenset()  # no in-graph sampling here
-
-    @staticmethod
-    def _branches(base: int, n_branches: int, first: int | None) -> list[int]:
-        first = base if first is None else first
-        return [s for s in range(first, first + n_branches) if s != base]
+    _branches = staticmethod(Backend._branch_ids)
 
     def seq_fork(self, base: int, n_branches: int, first: int | None = None) -> None:
         for s in self._branches(base, n_branches, first):

@@ -679,7 +679,9 @@ class Engine:
         # log-probabilities, nothing that reshapes the logits)
         in_graph = (bool(be.graph_seqs) and type(sampler) is Sampler and sampler.params.greedy
                     and n_lp is None)
-        graph_first = self.config.graph_branch_base(slot.base // (self.config.max_branches + 1))
+        # its trees' branches then live on the slot's sampled sequence ids
+        first = (self.config.graph_branch_base(slot.base // (self.config.max_branches + 1))
+                 if in_graph else slot.base)
 
         # 1. prefill
         t0 = time.perf_counter()
@@ -736,9 +738,6 @@ class Engine:
                 path, y, path_tokens = [0], sampler(w.logits[0]), [x]
             else:
                 lay = plan.tree.layout()
-                # a plain greedy tree can take its argmax in llama.cpp's graph: its
-                # branches then live on the slot's sampled sequence ids
-                first = graph_first if in_graph else slot.base
                 be.seq_fork(slot.base, lay.n_branches, first)
                 try:
                     w = Work(lay.tokens, n + lay.depths,

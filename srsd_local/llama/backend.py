@@ -479,16 +479,22 @@ class Backend:
     # Sequence-explicit operations (the engine's slots: each owns a main sequence id `base`
     # and the branch ids base+1..base+B-1 of its trees); the methods without `seq_` work on
     # sequence 0 and `n_past` (single-sequence use: profiling, verification, tests).
+    @staticmethod
+    def _branch_ids(base: int, n_branches: int, first: int | None) -> range | list[int]:
+        """A tree's branch sequence ids other than `base`: first..first+n_branches-1, where
+        first defaults to `base` (branch 0 is `base` itself)."""
+        if first is None or first == base:
+            return range(base + 1, base + n_branches)
+        return [s for s in range(first, first + n_branches) if s != base]
+
     def seq_fork(self, base: int, n_branches: int, first: int | None = None) -> None:
         """Copy sequence `base` into the branch ids first..first+n_branches-1 (default
         first = base: branch 0 is `base` itself)."""
-        first = base if first is None else first
-        if n_branches > self.config.max_branches + (first == base):
+        if n_branches > self.config.max_branches + (first is None or first == base):
             raise ValueError(f"{n_branches} branches > max_branches + 1 "
                              f"({self.config.max_branches + 1})")
-        for s in range(first, first + n_branches):
-            if s != base:
-                self._L.llama_memory_seq_cp(self.mem, base, s, -1, -1)
+        for s in self._branch_ids(base, n_branches, first):
+            self._L.llama_memory_seq_cp(self.mem, base, s, -1, -1)
 
     def seq_commit(self, base: int, winner: int, start: int, keep_until: int,
                    n_branches: int, first: int | None = None) -> None:
@@ -496,23 +502,19 @@ class Backend:
         of the branch ids first..first+n_branches-1) up to `keep_until` as sequence `base`,
         drop the rest the pass wrote. Other sequences (other slots) are untouched."""
         L, mem = self._L, self.mem
-        first = base if first is None else first
         if winner != base:
             self._seq_rm(base, start)
             L.llama_memory_seq_cp(mem, winner, base, start, -1)
-        for s in range(first, first + n_branches):
-            if s != base:
-                L.llama_memory_seq_rm(mem, s, -1, -1)
+        for s in self._branch_ids(base, n_branches, first):
+            L.llama_memory_seq_rm(mem, s, -1, -1)
         self._seq_rm(base, keep_until)
 
     def seq_abandon(self, base: int, n_branches: int, start: int,
                     first: int | None = None) -> None:
         """Undo a tree pass from position `start` that will not be committed (an error
         between fork and commit): branch sequences and the tree's cells in `base` go."""
-        first = base if first is None else first
-        for s in range(first, first + n_branches):
-            if s != base:
-                self._L.llama_memory_seq_rm(self.mem, s, -1, -1)
+        for s in self._branch_ids(base, n_branches, first):
+            self._L.llama_memory_seq_rm(self.mem, s, -1, -1)
         self._seq_rm(base, start)
 
     def seq_trim(self, seq: int, start: int) -> None:
