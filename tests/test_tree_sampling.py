@@ -90,13 +90,24 @@ def test_distribution_filters():
     assert p_cold[0] > 0.99
 
 
-def test_tokens_past_the_cutoff_are_left_out_and_the_rest_keeps_its_distribution():
+def test_temperature_alone_is_the_softmax_of_the_whole_row():
+    rng = np.random.default_rng(1)
+    row = rng.normal(scale=6.0, size=262_144).astype(np.float32)
+    ids, p = distribution(row, SamplingParams(temperature=0.8))
+    assert ids.tolist() == list(range(len(row)))  # every token, in id order
+    ref = np.exp((row.astype(np.float64) - row.max()) / 0.8)
+    ref /= ref.sum()
+    assert np.abs(p - ref).max() < 1e-6 * ref.max() and abs(p.sum() - 1.0) < 1e-5
+
+
+def test_with_a_filter_tokens_past_the_cutoff_are_left_out_and_the_rest_keeps_its_distribution():
     from srsd_local.spec.sampling import CUTOFF
 
     t = 0.5
     x = np.zeros(6, dtype=np.float32)
     x[1:] = [-1.0, -(CUTOFF - 1) * t, -(CUTOFF + 1) * t, -1e9, -3.0]
-    ids, p = distribution(x, SamplingParams(temperature=t))
+    tiny = SamplingParams(temperature=t, min_p=1e-20)  # a min-p far below the cutoff
+    ids, p = distribution(x, tiny)
     assert ids.tolist() == [0, 1, 2, 5]  # token 3 lies past the cutoff, token 4 far past it
     full = np.exp((x - x.max()) / t)
     full /= full.sum()
@@ -105,9 +116,44 @@ def test_tokens_past_the_cutoff_are_left_out_and_the_rest_keeps_its_distribution
     # a realistic row: the candidates are a small share of the vocabulary, the mass the same
     rng = np.random.default_rng(1)
     row = rng.normal(scale=6.0, size=262_144).astype(np.float32)
-    ids, p = distribution(row, SamplingParams(temperature=0.8))
+    ids, p = distribution(row, SamplingParams(temperature=0.8, min_p=1e-20))
     ref = np.exp((row.astype(np.float64) - row.max()) / 0.8)
     assert len(ids) < len(row) // 2 and ref[ids].sum() / ref.sum() > 1 - 1e-8
+
+
+@pytest.mark.parametrize("min_p", [0.3, 0.05, 1e-4])
+def test_min_p_keeps_exactly_the_tokens_its_filter_keeps(min_p):
+    """min-p's bound cuts the candidates before the softmax; the kept tokens and their
+    probabilities are those of filtering the softmax of every token within the cutoff."""
+    from srsd_local.spec.sampling import CUTOFF
+
+    rng = np.random.default_rng(3)
+    row = rng.normal(scale=2.0, size=262_144).astype(np.float32)
+    t = 0.7
+    ids, p = distribution(row, SamplingParams(temperature=t, min_p=min_p))
+    cand = np.flatnonzero(row >= row.max() - np.float32(CUTOFF * t))
+    q = np.exp((row[cand].astype(np.float64) - row.max()) / t)
+    q /= q.sum()
+    keep = q >= min_p * q.max()
+    assert ids.tolist() == cand[keep].tolist()
+    assert np.abs(p - q[keep] / q[keep].sum()).max() < 1e-6
+
+
+@pytest.mark.parametrize("n_vocab", [5, 262_144])
+def test_temperature_only_sampler_draws_what_the_distribution_gives(n_vocab):
+    """The sampler's fast path (unnormalised weights in a scratch row) picks, for the same
+    uniform draw, the token `distribution` gives it."""
+    from srsd_local.spec.sampling import _pick
+
+    rng = np.random.default_rng(5)
+    row = rng.normal(scale=3.0, size=n_vocab).astype(np.float32)
+    params = SamplingParams(temperature=0.9, seed=17)
+    s = Sampler(params)
+    ids, p = distribution(row, params)
+    u = np.random.default_rng(17)  # the sampler's generator, replayed
+    draws = [s(row) for _ in range(500)]
+    assert draws == [int(ids[_pick(p, u.random())]) for _ in range(500)]
+    assert len(set(draws)) > (3 if n_vocab == 5 else 100)  # really random
 
 
 @pytest.mark.parametrize("n_vocab,n_high", [(5000, 5000), (60_000, 3000), (60_000, 20_000)])
@@ -233,3 +279,18 @@ def test_sampled_tree_walk_has_the_plain_distribution(shape, pname):
     exp = expected[keep] * (n / expected[keep].sum())  # float rounding of the product sums
     res = chisquare(counts[keep], exp)
     assert res.pvalue > 1e-3, (shape, pname, res)
+
+
+@pytest.mark.parametrize("n,k,levels", [(262_144, 40, 0), (262_144, 512, 0), (262_144, 40, 7),
+                                        (1000, 40, 0), (70_000, 8192, 0), (5000, 4999, 3)])
+def test_top_k_selection_matches_a_full_sort(n, k, levels):
+    """`_top` (a block-maxima bound, then a partition of what is above it) finds the k
+    largest, ties at the k-th value broken by the lowest index, as a stable sort would."""
+    from srsd_local.spec.sampling import _top
+
+    rng = np.random.default_rng(n + k)
+    v = rng.normal(size=n).astype(np.float32)
+    if levels:  # few distinct values: many ties at the k-th
+        v = np.round(v * levels / 3).astype(np.float32)
+    ref = np.sort(np.argsort(-v, kind="stable")[:k])
+    assert _top(v, k).tolist() == ref.tolist()

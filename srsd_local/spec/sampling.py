@@ -22,20 +22,29 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray
     """The processed distribution: (token ids, probabilities).
 
     Order of processing: top-k, temperature softmax, min-p, top-p (as llama.cpp's chain).
-    Tokens more than CUTOFF x temperature logits below the best one (e^-30 times less likely
-    than it; together at most a 262k-entry vocabulary's e^-30, about 2e-8 of the mass) are
-    left out before the softmax, which spares exponentiating the whole vocabulary at every
-    step. With top-p the candidates come most probable first (ties by token id); otherwise
-    in token-id order, which saves sorting the vocabulary. Either order is deterministic,
-    which is all sampling needs.
+    Temperature alone: the softmax of the whole row (ids: every token, in id order). With a
+    filter, tokens more than CUTOFF x temperature logits below the best one (e^-30 times less
+    likely than it; together at most a 262k-entry vocabulary's e^-30, about 2e-8 of the mass)
+    are left out before the softmax, and with min-p those below its bound (what its filter
+    would drop anyway), which spares exponentiating the whole vocabulary. With top-p the
+    candidates come most probable first (ties by token id); otherwise in token-id order,
+    which saves sorting the vocabulary. Either order is deterministic, which is all sampling
+    needs.
     """
     x = np.asarray(logits, dtype=np.float32).reshape(-1)
     n_vocab = x.shape[0]
     temperature = max(params.temperature, 1e-6)
+    if _temperature_only(params):
+        p = _tempered(x, params.temperature)
+        p /= p.sum(dtype=np.float64)
+        return _all_ids(n_vocab), p
     if 0 < params.top_k < n_vocab:
-        ids = np.sort(np.argpartition(x, n_vocab - params.top_k)[n_vocab - params.top_k:])
+        ids = _top(x, params.top_k)
     else:
-        ids = np.flatnonzero(x >= x.max() - np.float32(CUTOFF * temperature))
+        span = CUTOFF
+        if params.min_p > 0.0:  # min-p keeps p >= min_p * p_max: logits within -ln(min_p) x T
+            span = min(span, MIN_P_SLACK - float(np.log(params.min_p)))
+        ids = np.flatnonzero(x >= x.max() - np.float32(span * temperature))
     z = x[ids]
     z = (z - z.max()) * np.float32(1.0 / temperature)
     p = np.exp(z)
@@ -47,7 +56,7 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray
         head = np.arange(len(p))
         for size in (_HEAD, 16 * _HEAD):  # the most probable few first; all only if need be
             if len(p) > size:
-                part = np.argpartition(-p, size)[:size]
+                part = _top(p, size)
                 if p[part].sum() >= params.top_p:  # the nucleus lies within them
                     head = part
                     break
@@ -58,21 +67,73 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray
     return ids, p / p.sum()
 
 
+def _top(v: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest values of v, in increasing order (ties at the k-th value:
+    the lowest indices). The k-th largest of block maxima bounds the k-th largest value from
+    below, so only the values above it are partitioned, not all of a 262k-entry row."""
+    n = len(v)
+    if k >= n:
+        return np.arange(n)
+    cand = np.arange(n)
+    size = n // (4 * k)  # at least 4k blocks
+    if size >= 8:
+        n_full = n // size * size
+        maxima = v[:n_full].reshape(-1, size).max(axis=1)
+        cand = np.flatnonzero(v >= np.partition(maxima, len(maxima) - k)[len(maxima) - k])
+    w = v[cand]
+    if len(cand) > k:
+        kth = np.partition(w, len(w) - k)[len(w) - k]
+        above = cand[w > kth]
+        cand = np.sort(np.concatenate([above, cand[w == kth][: k - len(above)]]))
+    return cand
+
+
+MIN_P_SLACK = 1e-3  # logits (x temperature) below min-p's bound still exponentiated: its
+# filter, on the probabilities, has the last word
+
+
+def _temperature_only(params: SamplingParams) -> bool:
+    return params.top_k == 0 and params.top_p >= 1.0 and params.min_p == 0.0
+
+
+def _tempered(x: np.ndarray, temperature: float, out: np.ndarray | None = None) -> np.ndarray:
+    """exp((x - max x) / temperature) for a whole row (unnormalised: the best token weighs
+    1), into `out` when given: three passes over the row, no gathers."""
+    out = np.subtract(x, x.max(), out=out)
+    out *= np.float32(1.0 / max(temperature, 1e-6))
+    return np.exp(out, out=out)
+
+
+_ALL_IDS: dict[int, np.ndarray] = {}
+
+
+def _all_ids(n: int) -> np.ndarray:
+    """0..n-1, read-only, one per vocabulary size."""
+    ids = _ALL_IDS.get(n)
+    if ids is None:
+        ids = np.arange(n, dtype=np.intp)
+        ids.flags.writeable = False
+        ids = _ALL_IDS[n] = ids
+    return ids
+
+
 _BLOCK = 512
 
 
 def _pick(p: np.ndarray, u: float) -> int:
-    """Index i with cumsum(p)[i-1] <= u * sum(p) < cumsum(p)[i], in two levels (block sums,
-    then one block) so a 262k-entry vocabulary needs no full-length cumulative sum."""
+    """Index i with cumsum(p)[i-1] <= u * sum(p) < cumsum(p)[i] (p need not be normalised),
+    in two levels (block sums, then one block) so a 262k-entry vocabulary needs no
+    full-length cumulative sum."""
     n = len(p)
-    target = u * float(p.sum(dtype=np.float64))
     if n <= 4 * _BLOCK:
-        return min(int(np.searchsorted(np.cumsum(p, dtype=np.float64), target, "right")), n - 1)
+        csum = np.cumsum(p, dtype=np.float64)
+        return min(int(np.searchsorted(csum, u * csum[-1], "right")), n - 1)
     n_full = n // _BLOCK * _BLOCK
     sums = p[:n_full].reshape(-1, _BLOCK).sum(axis=1, dtype=np.float64)
     if n_full < n:
         sums = np.append(sums, p[n_full:].sum(dtype=np.float64))
     csum = np.cumsum(sums)
+    target = u * csum[-1]
     b = min(int(np.searchsorted(csum, target, "right")), len(sums) - 1)
     before = csum[b - 1] if b else 0.0
     block = p[b * _BLOCK: (b + 1) * _BLOCK]
@@ -86,10 +147,18 @@ class Sampler:
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
         self.rng = np.random.default_rng(params.seed)
+        self._scratch: np.ndarray | None = None  # temperature alone: the row's weights
 
     def __call__(self, logits: np.ndarray) -> int:
         if self.params.greedy:
             return int(np.argmax(logits))
+        if _temperature_only(self.params):  # the distribution `distribution` gives, drawn
+            # from unnormalised weights in a scratch row (no allocation, no normalising pass)
+            x = np.asarray(logits, dtype=np.float32).reshape(-1)
+            if self._scratch is None or self._scratch.shape != x.shape:
+                self._scratch = np.empty_like(x)
+            return _pick(_tempered(x, self.params.temperature, self._scratch),
+                         self.rng.random())
         ids, p = distribution(logits, self.params)
         return int(ids[_pick(p, self.rng.random())])
 
