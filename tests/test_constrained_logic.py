@@ -70,6 +70,38 @@ def test_best_allowed_far_down_a_full_vocabulary_with_ties(rank):
         assert c.checked < 4096 + 4096 + 1
 
 
+class NarrowingConstraint(SetConstraint):
+    """A SetConstraint that can also name a superset of what it admits (as a grammar does
+    from its next characters)."""
+
+    def __init__(self, allowed: set[int], superset: np.ndarray | None) -> None:
+        super().__init__(allowed)
+        self.superset = superset
+
+    def possible(self) -> np.ndarray | None:
+        return self.superset
+
+
+@pytest.mark.parametrize("rank", [300, 20000, 262000])
+def test_best_allowed_searches_only_the_superset_a_constraint_names(rank):
+    """Past the band's best, only the named superset is checked, best first with ties by
+    the lowest id; the answer is the brute-force masked argmax."""
+    rng = np.random.default_rng(rank)
+    x = (np.round(rng.normal(size=262144) * 8) / 2).astype(np.float32)
+    order = np.lexsort((np.arange(len(x)), -x))
+    allowed = {int(t) for t in rng.choice(order[rank:], size=30, replace=False)}
+    allowed.add(int(order[rank]))
+    superset = np.union1d(list(allowed), rng.choice(len(x), size=3000, replace=False))
+    c = NarrowingConstraint(allowed, superset.astype(np.int32))
+    assert best_allowed(x, c) == int(order[rank])
+    assert c.checked <= 256 + len(superset)
+    # a constraint that cannot narrow (None) gets the full search, same answer
+    assert best_allowed(x, NarrowingConstraint(allowed, None)) == int(order[rank])
+    # nothing admitted in the superset: a dead end, said as one
+    with pytest.raises(DeadEndError):
+        best_allowed(x, NarrowingConstraint(set(), superset.astype(np.int32)))
+
+
 def test_best_allowed_ties_go_to_the_lowest_id_and_a_dead_end_says_so():
     x = np.zeros(10, dtype=np.float32)
     x[[3, 6, 8]] = 2.0

@@ -171,6 +171,9 @@ class Constraint(Protocol):
 
     def accept(self, token: int) -> None: ...
 
+    # optional: `possible() -> ids | None`, token ids that include every admitted one (a
+    # superset much smaller than the vocabulary), or None when it cannot narrow them
+
 
 class DeadEndError(ValueError):
     """The constraint admits no token of the vocabulary here."""
@@ -196,9 +199,12 @@ def _first_allowed(ids: np.ndarray, allowed: Constraint) -> int | None:
 def best_allowed(x: np.ndarray, allowed: Constraint) -> int:
     """The highest-logit token the constraint admits (ties: the lowest id). The candidates
     are checked best first in growing chunks: the top token alone (the usual case: one
-    check), then the tokens within BAND logits of it (at most the MAX_BAND best, ties
-    included), then the rest of the vocabulary: its 4096 best, its 65536 best, all of it
-    (only the chunk at hand is sorted: a stable sort of a 262k vocabulary costs ~25 ms)."""
+    check), then the tokens within BAND logits of it (their 16 best, their 256 best); then,
+    when the constraint can name a superset of what it admits (`possible`), that superset's
+    256, 4096, 65536 best and the rest of it; else the rest of the band (at most its
+    MAX_BAND best, ties included), then the rest of the vocabulary: its 4096 best, its 65536
+    best, all of it (only the chunk at hand is sorted: a stable sort of a 262k vocabulary
+    costs ~25 ms)."""
     top = int(np.argmax(x))
     if allowed.mask(np.asarray([top], dtype=np.int32))[0]:
         return top
@@ -209,11 +215,18 @@ def best_allowed(x: np.ndarray, allowed: Constraint) -> int:
         band = band[x[band] >= kth]
     band = _best_first(x, band)
     start = 1  # band[0] is the top token
-    for end in (16, 256, len(band)):
+    for end in (16, 256):
         found = _first_allowed(band[start:end], allowed)
         if found is not None:
             return found
         start = max(start, end)
+    possible = getattr(allowed, "possible", None)
+    superset = possible() if possible is not None else None
+    if superset is not None:
+        return _best_of(x, superset, band[:start], allowed)
+    found = _first_allowed(band[start:], allowed)
+    if found is not None:
+        return found
     rest = np.ones(x.shape[0], dtype=bool)
     rest[band] = False
     rest = np.flatnonzero(rest).astype(np.int32)
@@ -231,6 +244,25 @@ def best_allowed(x: np.ndarray, allowed: Constraint) -> int:
     found = _first_allowed(_best_first(x, rest[xr < above]), allowed)
     if found is not None:
         return found
+    raise DeadEndError("the grammar admits no token here (it cannot be completed)")
+
+
+def _best_of(x: np.ndarray, ids: np.ndarray, checked: np.ndarray, allowed: Constraint) -> int:
+    """The best admitted token among `ids` (a superset of the admitted ones), `checked`
+    already known to be rejected: best first, in chunks of the 256, 4096, 65536 best and
+    the rest."""
+    ids = ids[~np.isin(ids, checked)]
+    xs = x[ids]
+    taken = np.zeros(len(ids), dtype=bool)
+    for k in (256, 4096, 65536, len(ids)):
+        chunk = _top(xs, min(k, len(ids)))
+        chunk = chunk[~taken[chunk]]
+        taken[chunk] = True
+        found = _first_allowed(_best_first(x, ids[chunk]), allowed)
+        if found is not None:
+            return found
+        if k >= len(ids):
+            break
     raise DeadEndError("the grammar admits no token here (it cannot be completed)")
 
 
@@ -256,6 +288,13 @@ class ConstrainedSampler(Sampler):
         else:
             floor = x[best] - CUTOFF * max(self.params.temperature, 1e-6)
             cand = np.flatnonzero(x >= floor).astype(np.int32)
+            possible = getattr(c, "possible", None)
+            if len(cand) > MAX_BAND and possible is not None:  # fewer to check, if it can
+                superset = possible()
+                if superset is not None:
+                    keep = np.zeros(x.shape[0], dtype=bool)
+                    keep[superset] = True
+                    cand = cand[keep[cand]]
             cand = cand[c.mask(cand)]
             ids, p = distribution(x[cand], self.params)
             tok = int(cand[ids[_pick(p, self.rng.random())]])
