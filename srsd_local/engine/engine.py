@@ -715,6 +715,8 @@ class Engine:
             n = slot.n_past
             ta, out0 = time.perf_counter(), job.outside
             room = 0 if self.plain_only else self.speculator.room(req, slot.n_ctx - n - 2)
+            if room and forcing is None and self.speculator.skips(req):
+                room = 0  # no draft this step: its input is not even prepared
             inp = None
             if room:
                 inp = DraftInput(slot.ctx[:n], x, slot.last_hidden,

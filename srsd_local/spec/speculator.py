@@ -103,9 +103,7 @@ class Speculator:
         drafter = self.drafters[req.mode]
         if drafter is None or room <= 0:
             return None
-        if req.skip > 0 and not len(inp.forced):  # the controller kept declining: look
-            # again later, not every step (unless a grammar forces the next tokens)
-            req.skip -= 1
+        if not len(inp.forced) and self.skips(req):
             return None
         tree = drafter.draft(inp, max_nodes=room)
         if not tree.n_draft:
@@ -116,6 +114,15 @@ class Speculator:
         req.declined = 0 if plan.tree.n_draft else req.declined + 1
         req.skip = min(2 ** req.declined // 2, MAX_SKIP)
         return plan if plan.tree.n_draft else None
+
+    def skips(self, req: Request) -> bool:
+        """Whether this step goes without drafting: the controller kept declining, so it
+        looks again later, not every step (counts the step). A caller that knows nothing
+        forces the next tokens asks before preparing a draft's input."""
+        if req.skip > 0:
+            req.skip -= 1
+            return True
+        return False
 
     def _plan(self, tree: TokenTree, req: Request, room: int, ctx: int, offset: int = 0,
               gain: float = 0.0) -> Plan:
