@@ -325,16 +325,17 @@ class GrammarState:
         ids, chars = owner.probe_ids, owner.probe_chars
         if not len(ids) or self.mask(owner.sentinels).sum() >= 2:
             return ""  # free text (a string, a number): nothing is forced
-        eog = owner.eog
+        n = len(ids)
+        ids_eog = np.concatenate([ids, owner.eog])  # one check per character for both
         st = self.clone()
         out: list[str] = []
         for _ in range(max_chars):
-            ok = st.mask(ids)
-            allowed = [chars[i] for i in np.flatnonzero(ok)]
+            ok = st.mask(ids_eog)
+            allowed = [chars[i] for i in np.flatnonzero(ok[:n])]
             solid = [c for c in allowed if not c.isspace()]
             if len(solid) > 1 or (not solid and not allowed):
                 break
-            if len(eog) and st.mask(eog).any():
+            if ok[n:].any():
                 break  # the output may end here
             if solid and len(allowed) == 1:
                 c = solid[0]
