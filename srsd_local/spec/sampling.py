@@ -113,7 +113,7 @@ def _all_ids(n: int) -> np.ndarray:
     if ids is None:
         ids = np.arange(n, dtype=np.intp)
         ids.flags.writeable = False
-        ids = _ALL_IDS[n] = ids
+        _ALL_IDS[n] = ids
     return ids
 
 
@@ -220,8 +220,7 @@ def best_allowed(x: np.ndarray, allowed: Constraint) -> int:
         if found is not None:
             return found
         start = max(start, end)
-    possible = getattr(allowed, "possible", None)
-    superset = possible() if possible is not None else None
+    superset = _superset(allowed)
     if superset is not None:
         return _best_of(x, superset, band[:start], allowed)
     found = _first_allowed(band[start:], allowed)
@@ -245,6 +244,12 @@ def best_allowed(x: np.ndarray, allowed: Constraint) -> int:
     if found is not None:
         return found
     raise DeadEndError("the grammar admits no token here (it cannot be completed)")
+
+
+def _superset(allowed: Constraint) -> np.ndarray | None:
+    """The constraint's superset of what it admits next, if it can name one."""
+    possible = getattr(allowed, "possible", None)
+    return possible() if possible is not None else None
 
 
 def _best_of(x: np.ndarray, ids: np.ndarray, checked: np.ndarray, allowed: Constraint) -> int:
@@ -288,13 +293,11 @@ class ConstrainedSampler(Sampler):
         else:
             floor = x[best] - CUTOFF * max(self.params.temperature, 1e-6)
             cand = np.flatnonzero(x >= floor).astype(np.int32)
-            possible = getattr(c, "possible", None)
-            if len(cand) > MAX_BAND and possible is not None:  # fewer to check, if it can
-                superset = possible()
-                if superset is not None:
-                    keep = np.zeros(x.shape[0], dtype=bool)
-                    keep[superset] = True
-                    cand = cand[keep[cand]]
+            superset = _superset(c) if len(cand) > MAX_BAND else None  # fewer to check
+            if superset is not None:
+                keep = np.zeros(x.shape[0], dtype=bool)
+                keep[superset] = True
+                cand = cand[keep[cand]]
             cand = cand[c.mask(cand)]
             ids, p = distribution(x[cand], self.params)
             tok = int(cand[ids[_pick(p, self.rng.random())]])
