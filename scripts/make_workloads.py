@@ -510,6 +510,10 @@ CALIB_OPEN_SOURCES: list[tuple[str, str]] = [
     ("doc", "shelve"),
 ]
 CALIB_OPEN_SEED_BASE = 201
+# Other worked examples and functions than json.jsonl's (same format and schema).
+CALIB_JSON_EXAMPLE_FUNCS: list[str] = ["shlex.quote", "shutil.copymode"]
+CALIB_JSON_FUNCS: list[str] = ["calendar.isleap", "shutil.disk_usage", "base64.b64encode",
+                              "os.path.commonprefix", "html.escape", "shlex.split"]
 # Prompts per category in calibration.jsonl, in file order.
 CALIB_COUNTS: dict[str, int] = {
     "code_edit": 4,
@@ -517,6 +521,7 @@ CALIB_COUNTS: dict[str, int] = {
     "humaneval": 4,
     "code_continue": 2,
     "open": 2,
+    "json": 6,
 }
 # Two source texts overlap if they share this many consecutive whitespace-separated words.
 OVERLAP_WORDS = 8
@@ -534,6 +539,7 @@ def build_calibration() -> list[Built]:
         *build_humaneval(CALIB_HUMANEVAL_TASKS, CALIB_PREFIX),
         *build_code_continue(CALIB_CODE_CONTINUE_MODULES, CALIB_PREFIX),
         *build_open(CALIB_OPEN_SOURCES, CALIB_OPEN_SEED_BASE, CALIB_PREFIX),
+        *build_json(CALIB_JSON_FUNCS, CALIB_PREFIX, CALIB_JSON_EXAMPLE_FUNCS),
     ]
 
 
@@ -612,10 +618,11 @@ def _describe(qualname: str) -> tuple[str, dict]:
     return f"def {name}{sig}:\n{body}\n", described
 
 
-def build_json(funcs: list[str] = JSON_FUNCS, id_prefix: str = "") -> list[Built]:
+def build_json(funcs: list[str] = JSON_FUNCS, id_prefix: str = "",
+               examples: list[str] = JSON_EXAMPLE_FUNCS) -> list[Built]:
     head = ("Each Python function below is described as JSON: its name, its signature, "
             "the first paragraph of its docstring as the summary, and its parameter names.\n\n")
-    for qualname in JSON_EXAMPLE_FUNCS:
+    for qualname in examples:
         src, described = _describe(qualname)
         head += f"Function:\n{src}\nJSON: {json.dumps(described)}\n\n"
     out = []

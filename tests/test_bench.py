@@ -74,9 +74,10 @@ def test_builtin_workloads_load_with_provenance_fields():
 
 def test_calibration_is_a_named_workload_but_never_part_of_all():
     calib = load_workload("calibration")
-    assert len(calib) == 16 and all(p.id.startswith("calib-") for p in calib)
-    # every category but json (structured output is calibrated by use, not seeded)
-    assert {p.category for p in calib} == set(BUILTIN_WORKLOADS) - {"json"}
+    assert len(calib) == 22 and all(p.id.startswith("calib-") for p in calib)
+    assert {p.category for p in calib} == set(BUILTIN_WORKLOADS)
+    # the json prompts carry their schema, so seeding constrains them as the bench does
+    assert all(p.json_schema is not None for p in calib if p.category == "json")
     everything = load_workload("all")
     assert not {p.id for p in calib} & {p.id for p in everything}
     assert not {p.prompt for p in calib} & {p.prompt for p in everything}

@@ -85,6 +85,30 @@ def test_a_forced_literal_is_drafted_and_accepted(seeded):
     assert rep.ok, rep.summary()
 
 
+def test_values_an_example_copied_are_drafted_by_analogy_and_accepted(seeded, monkeypatch):
+    """After two worked examples, the current function's name, signature and summary are
+    drafted by analogy (and after the keys the grammar forces); long runs of them are
+    accepted, and the output is still plain constrained decoding's."""
+    from srsd_local.spec.draft import ANALOGY
+
+    engine, p = seeded, load_workload("json")[1]  # shutil.copyfile
+    runs: list[int] = []
+    observe = engine.speculator.observe
+
+    def counting(req, plan, path):
+        if plan is not None:
+            runs.append(sum(1 for i in path[1:] if plan.tree.origin[i] & ANALOGY))
+        return observe(req, plan, path)
+
+    monkeypatch.setattr(engine.speculator, "observe", counting)
+    out = engine.generate(p.prompt, max_tokens=p.max_tokens, mode="srsd",
+                          json_schema=p.json_schema)
+    assert json.loads(out.text)["name"] == "copyfile"
+    assert max(runs) >= 8 and sum(runs) >= 20, runs
+    rep = engine.verify_output(p.prompt, out.token_ids, json_schema=p.json_schema)
+    assert rep.ok, rep.summary()
+
+
 def test_unconstrained_argmax_is_refused_where_the_grammar_forbids_it(engine):
     """Plain decoding of this prompt starts with a token the grammar does not admit: the
     constrained output differs from the unconstrained one, and verify_output without the

@@ -94,6 +94,21 @@ def test_acceptance_model_learns_and_backs_off():
     copy = AcceptanceModel()
     copy.load_json(m.to_json())
     assert copy.q(strong, "srsd", True) == m.q(strong, "srsd", True)
+    # learned counts stay; seeds only fill in kinds of nodes they never saw
+    seeds = [[["srsd", True, 1, 2], [0, 10]], [["analogy", True, 1, 2], [9, 10]]]
+    copy.load_json(seeds, cap=10, missing_only=True)
+    assert copy.q(strong, "srsd", True) == m.q(strong, "srsd", True)
+    assert copy.counts[("analogy", True, 1, 2)] == [9, 10]
+
+
+def test_analogy_and_grammar_nodes_start_from_their_own_priors():
+    m = AcceptanceModel()
+    plain = NodeEvidence(depth=2, share=1.0, strength=1.0, n_drafts=1, origin="text")
+    analogy = NodeEvidence(depth=2, share=1.0, strength=1.0, n_drafts=1, origin="analogy")
+    forced = NodeEvidence(depth=2, share=1.0, strength=1.0, n_drafts=1, origin="grammar")
+    assert m.q(plain, "srsd", True) == m.prior
+    assert m.q(analogy, "srsd", True) == m.analogy_prior
+    assert m.q(forced, "srsd", True) == m.forced_prior
 
 
 def test_evidence_features():

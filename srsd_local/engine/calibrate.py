@@ -65,7 +65,7 @@ def _score(engine, prompts, max_tokens: int) -> float:
     for p in prompts:
         engine.reset()
         res = engine.generate(p.prompt, max_tokens=min(max_tokens, p.max_tokens),
-                              mode="retrieval")
+                              mode="retrieval", **getattr(p, "constraint", {}))
         accepted += res.stats.accepted_tokens
         drafts += res.stats.drafts
     return accepted / drafts if drafts else 0.0
@@ -125,7 +125,7 @@ def seed_acceptance(eng: Any, prompts: Sequence, max_tokens: int,
             eng.reset()
             eng.generate(p.prompt, max_tokens=min(max_tokens, p.max_tokens), mode=mode,
                          temperature=getattr(p, "temperature", 0.0),
-                         seed=getattr(p, "seed", None))
+                         seed=getattr(p, "seed", None), **getattr(p, "constraint", {}))
     acceptance = eng.speculator.acceptance.to_json()
     progress(f"acceptance seeded from {sum(v[1] for _, v in acceptance)} outcomes")
     return acceptance

@@ -141,8 +141,10 @@ class Engine:
         saved = store.read_json("acceptance", name) if learned else None
         if isinstance(saved, list):  # what earlier runs learned (seed included)
             acceptance.load_json(saved)
-        elif calibration.get("acceptance"):
-            acceptance.load_json(calibration["acceptance"], cap=SEED_TRIALS)
+        if calibration.get("acceptance"):  # kinds of nodes no earlier run saw (a draft
+            # source added since) start from the seeds too
+            acceptance.load_json(calibration["acceptance"], cap=SEED_TRIALS,
+                                 missing_only=True)
         backend = Backend(path, cfg, capture_layer=cfg.layer)
         try:
             cost, profile = None, None
@@ -725,6 +727,7 @@ class Engine:
                     root = be.piece(x)
                     inp.text = bytes(slot.text.sync(slot.ctx[:n], be.piece)) + root
                     inp.flat = slot.text.flat_with(root)
+                    inp.ends = slot.text.ends
                     inp.tokenize, inp.piece = self._tokenize_text, be.piece
                 if forcing is not None:
                     self._constrain_draft(inp, forcing)

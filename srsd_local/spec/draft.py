@@ -15,9 +15,10 @@ from .tree import TokenTree
 
 Proposal = tuple[np.ndarray, float, int]
 # draft sources: their bits in TokenTree.origin, and the names the acceptance model keys by
-ORIGINS = {1: "srsd", 2: "ngram", 4: "pld", 8: "grammar", 16: "text"}
+ORIGINS = {1: "srsd", 2: "ngram", 4: "pld", 8: "grammar", 16: "text", 32: "analogy"}
 RETRIEVAL = 1  # the bit of drafts hidden-state retrieval proposed
 GRAMMAR = 8  # the bit of drafts a grammar forces (see DraftInput.forced)
+ANALOGY = 32  # the bit of drafts made by analogy with an earlier example (analogy.py)
 
 
 @lru_cache(maxsize=64)
@@ -32,9 +33,12 @@ def acceptance_source(bits: int) -> str:
     other sources also proposed it; other nodes by all their sources ("ngram+text", ...).
     Keying retrieval's nodes by every combination split their evidence into thin keys with
     low seeds, and the controller cut their trees short: with one key, the default mode made
-    as many tokens per step as retrieval alone on edits, and 5% more tokens/s overall."""
-    if bits & RETRIEVAL:
-        bits &= RETRIEVAL | GRAMMAR
+    as many tokens per step as retrieval alone on edits, and 5% more tokens/s overall.
+    Analogy drafts likewise have one key (the n-gram pool or text lookup often propose the
+    same nodes once an item's values have been seen)."""
+    for one in (RETRIEVAL, ANALOGY):
+        if bits & one:
+            return origin_name(bits & (one | GRAMMAR))
     return origin_name(bits)
 _MAX_AGREE = 8
 
@@ -56,6 +60,7 @@ class DraftInput:
     flat: bytes = b""  # the same text with every whitespace run collapsed to one space
     tokenize: Callable[[bytes], Sequence[int]] | None = None
     piece: Callable[[int], bytes] | None = None  # a token's text
+    ends: Sequence[int] = ()  # per context position: where its piece ends in `text`
 
 
 class Drafter:

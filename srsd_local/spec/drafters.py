@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from ..config import SRSDConfig
+from .analogy import AnalogyDrafter
 from .draft import Drafter, DraftInput, Proposal
 from .ngram import NgramDrafter
 from .ngram_mod import NgramModDrafter
@@ -56,7 +57,8 @@ def make_drafter(mode: str, config: SRSDConfig, pool: NgramModDrafter | None = N
         return ngram
     if mode == "srsd":
         return MergedDrafter(config, (SemanticDrafter(config), ngram,
-                                      TextLookupDrafter(config)), "srsd")
+                                      TextLookupDrafter(config), AnalogyDrafter(config)),
+                             "srsd")
     if mode == "hybrid":
         return MergedDrafter(config, (SemanticDrafter(config), NgramDrafter(config)), "hybrid")
     raise ValueError(f"unknown mode {mode!r}: accepted are ar, pld, ngram, retrieval, srsd, "

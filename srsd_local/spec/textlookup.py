@@ -74,6 +74,12 @@ class ContextText:
             self._flat_ends.append(len(flat))
         return text
 
+    @property
+    def ends(self) -> list[int]:
+        """Per token position: where its piece ends in the text (as of the last `sync`;
+        the list itself, not a copy)."""
+        return self._ends
+
     def flat_with(self, piece: bytes) -> bytes:
         """The collapsed text (as of the last `sync`) followed by `piece`, collapsed."""
         return bytes(self.flat) + flat_piece(piece, self.flat[-1:] == b" ")

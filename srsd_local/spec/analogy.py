@@ -1,0 +1,231 @@
+"""Analogy drafts: the copy an earlier example made, made again from the current item.
+
+Few-shot prompts and repeated records have outputs that copy their input item by item: a
+function's name and signature after `"name": "`, a docstring's first line after
+`"summary": "`. At such a point a lookup by the context's own suffix finds the earlier
+example and drafts *its* value, which is wrong for the item at hand. Here the example's value
+is traced to where it was copied from (the longest prefix of it that occurred before it), the
+bytes just before that source (`Function:\\ndef `, `):\\n    \"\"\"`) are the anchor, and the
+anchor's most recent occurrence after the example marks the same place in the current item:
+the draft is the text from there up to the byte that ended the example's copy in its source
+(`(`, a line end), followed by what the example wrote after its copy (`", "signature": "`).
+
+Pure Python (bytes.rfind), run only when the context's suffix repeats an earlier one.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import SRSDConfig
+from .draft import ANALOGY, Drafter, DraftInput, Proposal
+from .textlookup import longest_repeat
+
+MIN_SUFFIX = 8  # bytes of the current suffix that must repeat (the example's "key")
+CONFIRM = 16  # bytes of it looked for before the example, for one that confirms it
+MIN_COPY = 4  # bytes of the example's value traced to an earlier source
+MIN_ANCHOR = 4  # bytes before that source that must recur in the current item
+MAX_ANCHOR = 48
+SPAN = 96  # bytes of a value looked at
+LITERAL = 24  # bytes of what the example wrote after its copy (at most)
+NEXT_COPY = 6  # bytes from the example's own item that mark where its next copy begins
+BYTES_PER_TOKEN = 4  # draft text chained per draft token (about)
+
+
+@dataclass(frozen=True)
+class Analogy:
+    copy: bytes  # the current item's counterpart of the example's copied value
+    at: int  # where that counterpart starts in the text
+    literal: bytes  # what the example wrote after its copy
+    suffix: int  # bytes of the context's suffix the example repeats
+    source: int  # bytes of the example's value found in its source
+    anchor: int  # bytes before that source found again in the current item
+    confirmed: bool = False  # an earlier example maps to the same place
+    more: bool = False  # the example went on to copy more right after `literal`
+
+    @property
+    def text(self) -> bytes:
+        return self.copy + self.literal
+
+
+def _longest(found: Callable[[int], int], lo: int, hi: int) -> tuple[int, int]:
+    """(largest k in lo..hi with found(k) >= 0, found(k)) by bisection, for a `found` whose
+    success is monotone (k works implies every smaller k does); (0, -1) when lo fails."""
+    best, at = 0, -1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        pos = found(mid)
+        if pos >= 0:
+            best, at, lo = mid, pos, mid + 1
+        else:
+            hi = mid - 1
+    return best, at
+
+
+def _counterpart(text: bytes, q: int, after: int) -> tuple[int, int, int, int, int] | None:
+    """For an example whose continuation starts at q: (where the current item's counterpart
+    of its copied value starts, the byte that ended the copy in the example's source, bytes
+    of the value found in that source, bytes of the anchor, where the anchor starts in the
+    example), or None. The counterpart is looked for after byte `after`."""
+    value = text[q: q + SPAN]
+    m, s = _longest(lambda k: text.rfind(value[:k], 0, q), MIN_COPY, len(value))
+    if not m:
+        return None
+    a, at = _longest(lambda k: text.rfind(text[s - k: s], after, len(text)), MIN_ANCHOR,
+                     min(MAX_ANCHOR, s))
+    if not a or at + a >= len(text):
+        return None
+    return at + a, text[s + m], m, a, s - a
+
+
+def _literal(text: bytes, value: bytes, m: int, item: int, q: int) -> tuple[bytes, bool]:
+    """What the example wrote after its copy (value[m:]), up to where its next copy from
+    its own item (text[item:q]) begins; (that text, whether a next copy begins there)."""
+    lit = value[m: m + LITERAL]
+    for j in range(1, len(lit)):
+        if text.find(value[m + j: m + j + NEXT_COPY], item, q) >= 0:
+            return lit[:j], True
+    return lit, False
+
+
+def find_analogy(text: bytes) -> Analogy | None:
+    """The analogy draft at the end of `text`, or None where the suffix repeats nothing, the
+    example's continuation copies nothing earlier, or the copy's anchor has no counterpart
+    after the example. `confirmed`: the example before it maps to the same place."""
+    size, pos = longest_repeat(text, MIN_SUFFIX)
+    if not size:
+        return None
+    q = pos + size  # the example's continuation starts here
+    found = _counterpart(text, q, q)
+    if found is None:
+        return None
+    start, stop, m, a, item = found
+    cur = text[start: start + SPAN]
+    end = cur.find(stop)
+    copy = cur if end < 0 else cur[:end]
+    value = text[q: q + SPAN]
+    if not copy or copy == value[:len(copy)]:
+        return None  # nothing to copy, or the example's own value (a plain lookup has it)
+    key = min(size, CONFIRM)  # the example before may differ further back
+    before = text.rfind(text[len(text) - key:], 0, q - 1)
+    other = None if before < 0 else _counterpart(text, before + key, q)
+    literal, more = _literal(text, value, m, item, q)
+    return Analogy(copy, start, literal, size, m, a, other is not None and other[0] == start,
+                   more)
+
+
+class AnalogyDrafter(Drafter):
+    """Drafts by analogy with the most recent examples (see the module docstring): where
+    the context ends, where its known next token began a value, or after what an output
+    grammar forces next; a copy whose example went on to copy more is followed by the next
+    analogy, up to the draft depth."""
+
+    name = "analogy"
+    origin = ANALOGY
+
+    def __init__(self, config: SRSDConfig) -> None:
+        super().__init__(config)
+        self._last: tuple[tuple, list[list[int]]] = ((), [])
+
+    def propose(self, inp: DraftInput) -> list[Proposal]:
+        text = inp.text
+        if inp.tokenize is None or inp.piece is None or len(text) <= MIN_SUFFIX:
+            return []
+        base, head, found = text, b"", find_analogy(text)
+        if not _usable(found):  # the known next token may have begun the value
+            head = inp.piece(inp.root)
+            base = text[: len(text) - len(head)]
+            found = find_analogy(base) if head else None
+            if not _usable(found) or not found.copy.startswith(head):
+                found = None
+        prefix: list[int] = []
+        if found is None and len(inp.forced):  # the value may begin after forced text
+            forced = b"".join(inp.piece(t) for t in inp.forced)
+            base, head, found = text + forced, b"", find_analogy(text + forced)
+            if not _usable(found):
+                return []
+            prefix = list(inp.forced)
+        if found is None:
+            return []
+        draft, link = b"", found
+        limit = BYTES_PER_TOKEN * self.config.draft_depth
+        while True:
+            draft += link.text
+            if not link.more or len(draft) >= limit:
+                break
+            link = find_analogy(base + draft)
+            if not _usable(link):
+                break
+        key = (base[-8:], head, draft)
+        if self._last[0] != key:  # found again after a rejection: reuse
+            self._last = (key, _variants(draft, head, found, not link.more, inp))
+        out: list[Proposal] = []
+        for toks in self._last[1]:
+            toks = (prefix + toks)[: self.config.draft_depth]
+            if len(toks) > len(prefix):
+                # two examples agree on the place: strong evidence (weight), and the shorter
+                # of the anchor and the traced copy says how specific the place is (agreement)
+                out.append((np.asarray(toks, dtype=np.int32),
+                            min(1.0, (found.anchor + found.source) / 32),
+                            max(1, min(8, min(found.anchor, found.source) // 4))))
+        return out
+
+
+def _usable(found: Analogy | None) -> bool:
+    """Only analogies two examples agree on are drafted (one example alone was too often a
+    coincidence)."""
+    return found is not None and found.confirmed
+
+
+def _variants(draft: bytes, head: bytes, found: Analogy, cut: bool,
+              inp: DraftInput) -> list[list[int]]:
+    """Tokenizations of `draft` after its first bytes `head` (the root's): with the first
+    copy in the tokens of its source (a model copies a name as its source spells it:
+    ` n|smallest` is copied as `n|smallest`, while the tokenizer writes `ns|mall|est`), and
+    as the tokenizer writes the whole draft. Where the root begins the value, the value is
+    tokenized whole and must begin with the root. With `cut`, the last token is dropped (it
+    may be a fragment)."""
+    assert inp.tokenize is not None
+    rest = draft[len(found.copy):]
+    mirrored = _mirror(found, inp)
+    candidates = [list(inp.tokenize(draft))]
+    if mirrored is not None:
+        candidates.insert(0, mirrored + (list(inp.tokenize(rest)) if rest else []))
+    out: list[list[int]] = []
+    for toks in candidates:
+        if head:
+            if not toks or toks[0] != inp.root:
+                continue
+            toks = toks[1:]
+        if cut:
+            toks = toks[:-1]
+        if toks and toks not in out:
+            out.append(toks)
+    if head and not out:  # the root is not the value's first token as either writes it
+        toks = list(inp.tokenize(draft[len(head):]))
+        out.append(toks[:-1] if cut else toks)
+    return out
+
+
+def _mirror(found: Analogy, inp: DraftInput) -> list[int] | None:
+    """The tokens of the copied value as its source has them (pieces the copy cuts are
+    tokenized afresh), or None where the source's tokens are not known."""
+    assert inp.tokenize is not None
+    ends, end = inp.ends, found.at + len(found.copy)
+    if not len(ends) or end > ends[-1]:
+        return None
+    k = bisect_right(ends, found.at)
+    out: list[int] = []
+    lo = found.at
+    while lo < end:
+        e = ends[k]
+        if (ends[k - 1] if k else 0) == lo and e <= end:
+            out.append(int(inp.tokens[k]))
+        else:
+            out.extend(inp.tokenize(inp.text[lo: min(e, end)]))
+        lo, k = min(e, end), k + 1
+    return out

@@ -1,0 +1,157 @@
+"""Analogy drafts (pure logic): an example's copied value traced to its source, and the same
+place in the current item drafted."""
+
+import numpy as np
+
+from srsd_local.config import SRSDConfig
+from srsd_local.spec.analogy import AnalogyDrafter, find_analogy
+from srsd_local.spec.draft import DraftInput
+from srsd_local.spec.drafters import make_drafter
+
+HEAD = b"Describe each function.\n\n"
+
+
+def item(name: str, args: str, doc: str, done: bool = True) -> bytes:
+    src = f'Function:\ndef {name}({args}):\n    """{doc}\n    """\n\nJSON: '.encode()
+    if not done:
+        return src
+    return src + (f'{{"name": "{name}", "signature": "{name}({args})", "summary": "{doc}"}}'
+                  "\n\n").encode()
+
+
+TWO = HEAD + item("indent", "text, prefix", "Adds a prefix to lines.") + \
+    item("is_zipfile", "filename", "Quickly see if a file is a ZIP file.")
+CURRENT = item("shorten", "text, width", "Collapse and truncate the text.", done=False)
+
+
+def test_the_name_and_signature_of_the_current_item_are_drafted_by_analogy():
+    found = find_analogy(TWO + CURRENT + b'{"name": "')
+    assert found is not None and found.confirmed
+    assert found.copy == b"shorten"  # up to the byte that ended the example's copy: "("
+    assert found.literal.startswith(b'", "signature": "')
+    found = find_analogy(TWO + CURRENT + b'{"name": "shorten", "signature": "')
+    assert found is not None and found.copy == b"shorten(text, width)"
+    found = find_analogy(TWO + CURRENT +
+                         b'{"name": "shorten", "signature": "shorten(text, width)", '
+                         b'"summary": "')
+    assert found is not None and found.copy == b"Collapse and truncate the text."
+    assert found.literal.startswith(b'"}')
+
+
+def test_one_example_is_not_confirmed_and_no_repeat_finds_nothing():
+    one = HEAD + item("is_zipfile", "filename", "Quickly see if a file is a ZIP file.")
+    found = find_analogy(one + CURRENT + b'{"name": "')
+    assert found is not None and found.copy == b"shorten" and not found.confirmed
+    assert find_analogy(b"nothing here repeats at all, not a single run of bytes") is None
+    # in the middle of a value copied already, the suffix repeats the source: no analogy
+    assert find_analogy(TWO + CURRENT + b'{"name": "shorten", "signature": "shorten(te') is None
+
+
+def byte_input(text: bytes, root: int) -> DraftInput:
+    """A context whose tokens are its bytes; `root` (a byte) is the known next token."""
+    full = text + bytes([root])
+    return DraftInput(np.frombuffer(text, dtype=np.uint8).astype(np.int32), root, None, None,
+                      text=full, tokenize=lambda b: list(bytes(b)),
+                      piece=lambda t: bytes([t]))
+
+
+def test_the_drafter_drafts_the_rest_of_a_value_its_known_first_token_began():
+    drafter = AnalogyDrafter(SRSDConfig(draft_depth=12))
+    ctx = TWO + CURRENT + b'{"name": "'
+    [(toks, weight, agree)] = drafter.propose(byte_input(ctx, ord("s")))
+    assert bytes(toks.tolist()) == b'horten", "si'  # draft_depth bytes
+    assert 0 < weight <= 1 and agree >= 1
+    # the root contradicts the analogy: nothing
+    assert drafter.propose(byte_input(ctx, ord("x"))) == []
+    # one example only: not drafted (unconfirmed analogies are too often wrong)
+    one = HEAD + item("is_zipfile", "filename", "Quickly see if a file is a ZIP file.")
+    assert drafter.propose(byte_input(one + CURRENT + b'{"name": "', ord("s"))) == []
+
+
+def test_the_default_mode_merges_analogy_drafts_into_its_tree():
+    cfg = SRSDConfig(draft_depth=8)
+    tree = make_drafter("srsd", cfg).draft(byte_input(TWO + CURRENT + b'{"name": "',
+                                                      ord("s")))
+    paths = set()
+    for leaf in range(len(tree)):
+        if not tree.children(leaf):
+            path, i = [], leaf
+            while i:
+                path.append(tree.tokens[i])
+                i = tree.parents[i]
+            paths.add(bytes(reversed(path)))
+    assert any(p.startswith(b"horten") for p in paths), paths
+    assert any(o & AnalogyDrafter.origin for o in tree.origin)
+
+
+def test_a_literal_ends_where_the_example_copies_again_and_drafts_chain_through_it():
+    found = find_analogy(TWO + CURRENT + b'{"name": "')
+    assert found.literal == b'", "signature": "' and found.more
+    drafter = AnalogyDrafter(SRSDConfig(draft_depth=100))
+    [(toks, _, _)] = drafter.propose(byte_input(TWO + CURRENT + b'{"name": "', ord("s")))
+    assert bytes(toks.tolist()).startswith(
+        b'horten", "signature": "shorten(text, width)", "summary": "Collapse and truncate')
+
+
+def test_a_value_after_text_a_grammar_forces_is_drafted_after_it():
+    drafter = AnalogyDrafter(SRSDConfig(draft_depth=60))
+    ctx = TWO + CURRENT + b'{"name": "shorten"'
+    inp = byte_input(ctx, ord(","))
+    assert drafter.propose(inp) == []  # the suffix is no example's key yet
+    inp.forced = list(b' "signature": "')
+    [(toks, _, _)] = drafter.propose(inp)
+    assert bytes(toks.tolist()).startswith(b' "signature": "shorten(text, width)", "summary')
+
+
+PIECES = {256: b" n", 257: b"smallest", 258: b"ns", 259: b"mall", 260: b"est"}
+
+
+def toy_tokenize(text: bytes) -> list[int]:
+    """Bytes, except that `ns`, `mall` and `est` are one token each (greedy)."""
+    out, i = [], 0
+    while i < len(text):
+        for t in (258, 259, 260):
+            if text.startswith(PIECES[t], i):
+                out.append(t)
+                i += len(PIECES[t])
+                break
+        else:
+            out.append(text[i])
+            i += 1
+    return out
+
+
+def test_a_copied_name_is_also_drafted_in_the_tokens_of_its_source():
+    # the prompt spells the current function's name ` n|smallest`; the tokenizer would
+    # write the name alone as `ns|mall|est`, the model copies its source's tokens
+    src = item("nsmallest", "n, iterable", "Find the n smallest.", done=False)
+    cut = src.index(b" nsmallest")
+    ctx = list(TWO) + list(src[:cut]) + [256, 257] + list(src[cut + 10:]) + list(b'{"name": "')
+
+    def piece(t: int) -> bytes:
+        return PIECES.get(t, bytes([t]) if t < 256 else b"")
+
+    text, ends = b"", []
+    for t in ctx:
+        text += piece(t)
+        ends.append(len(text))
+    drafter = AnalogyDrafter(SRSDConfig(draft_depth=8))
+    inp = DraftInput(np.asarray(ctx, dtype=np.int32), ord("n"), None, None,
+                     text=text + b"n", tokenize=toy_tokenize, piece=piece, ends=ends)
+    proposals = drafter.propose(inp)  # the root `n` began the value: only the source's way
+    assert [p[0].tolist()[:2] for p in proposals] == [[257, ord('"')]]
+    # `{"name"` + the root `:`, and the grammar forces ` "`: both spellings are drafted
+    inp = DraftInput(np.asarray(ctx[:-3], dtype=np.int32), ord(":"), None, None,
+                     text=text[:-3] + b":", tokenize=toy_tokenize, piece=piece,
+                     ends=ends[:-3], forced=[ord(" "), ord('"')])
+    heads = sorted(p[0].tolist()[:5] for p in drafter.propose(inp))
+    assert heads == [[32, 34, ord("n"), 257, 34], [32, 34, 258, 259, 260]]
+
+
+def test_analogy_nodes_are_judged_under_one_key_whatever_else_proposed_them():
+    from srsd_local.spec.draft import ANALOGY, GRAMMAR, RETRIEVAL, acceptance_source
+    text, ngram = 16, 2
+    assert acceptance_source(ANALOGY | text | ngram) == "analogy"
+    assert acceptance_source(ANALOGY | GRAMMAR | text) == "grammar+analogy"
+    assert acceptance_source(RETRIEVAL | ANALOGY) == "srsd"  # retrieval's key comes first
+    assert acceptance_source(text | ngram) == "ngram+text"
