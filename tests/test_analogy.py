@@ -138,14 +138,14 @@ def test_a_copied_name_is_also_drafted_in_the_tokens_of_its_source():
     drafter = AnalogyDrafter(SRSDConfig(draft_depth=8))
     inp = DraftInput(np.asarray(ctx, dtype=np.int32), ord("n"), None, None,
                      text=text + b"n", tokenize=toy_tokenize, piece=piece, ends=ends)
-    proposals = drafter.propose(inp)  # the root `n` began the value: only the source's way
+    proposals = drafter.propose(inp)  # the root `n` began the value as the source spells it
     assert [p[0].tolist()[:2] for p in proposals] == [[257, ord('"')]]
-    # `{"name"` + the root `:`, and the grammar forces ` "`: both spellings are drafted
+    # `{"name"` + the root `:`, and the grammar forces ` "`: the source's spelling
     inp = DraftInput(np.asarray(ctx[:-3], dtype=np.int32), ord(":"), None, None,
                      text=text[:-3] + b":", tokenize=toy_tokenize, piece=piece,
                      ends=ends[:-3], forced=[ord(" "), ord('"')])
     heads = sorted(p[0].tolist()[:5] for p in drafter.propose(inp))
-    assert heads == [[32, 34, ord("n"), 257, 34], [32, 34, 258, 259, 260]]
+    assert heads == [[32, 34, ord("n"), 257, 34]]
 
 
 def test_analogy_nodes_are_judged_under_one_key_whatever_else_proposed_them():
@@ -155,3 +155,44 @@ def test_analogy_nodes_are_judged_under_one_key_whatever_else_proposed_them():
     assert acceptance_source(ANALOGY | GRAMMAR | text) == "grammar+analogy"
     assert acceptance_source(RETRIEVAL | ANALOGY) == "srsd"  # retrieval's key comes first
     assert acceptance_source(text | ngram) == "ngram+text"
+
+
+def test_the_example_the_suffix_matches_longest_may_be_the_first_and_is_still_confirmed():
+    # `insert", "signature": "` repeats 18 bytes of the first example (`indent`) and fewer of
+    # the second: the second must still confirm it, and the counterpart is in the current
+    # item, not in the second example
+    current = item("insert", "a, x", "Insert item x in list a.", done=False)
+    found = find_analogy(TWO + current + b'{"name": "insert", "signature": "')
+    assert found is not None and found.confirmed
+    assert found.copy == b"insert(a, x)"
+
+
+def test_text_lookup_also_drafts_a_copy_as_its_source_spells_it():
+    from srsd_local.spec.textlookup import TextLookupDrafter
+
+    def piece(t: int) -> bytes:
+        return PIECES.get(t, bytes([t]) if t < 256 else b"")
+
+    ctx = list(b"def") + [256, 257] + list(b"(n, iterable):\n    pass\n\nx = def")
+    text, ends = b"", []
+    for t in ctx:
+        text += piece(t)
+        ends.append(len(text))
+    inp = DraftInput(np.asarray(ctx, dtype=np.int32), 256, None, None,
+                     text=text + b" n", tokenize=toy_tokenize, piece=piece, ends=ends)
+    drafts = [p[0].tolist() for p in TextLookupDrafter(SRSDConfig(draft_depth=6)).propose(inp)]
+    # after `def n` the source went on with its token `smallest`; the tokenizer would write
+    # `s|mall|est`: both are drafted
+    assert [257, ord("("), ord("n")] in [d[:3] for d in drafts]
+    assert [ord("s"), 259, 260] in [d[:3] for d in drafts]
+
+
+def test_a_chain_stops_where_the_next_value_has_no_counterpart():
+    # the current function has no docstring: the summary cannot be traced, the chain ends
+    # after the signature's literal
+    current = b"Function:\ndef shorten(text, width):\n    pass\n\nJSON: "
+    drafter = AnalogyDrafter(SRSDConfig(draft_depth=100))
+    [(toks, _, _)] = drafter.propose(byte_input(TWO + current + b'{"name": "', ord("s")))
+    draft = bytes(toks.tolist())
+    assert draft.startswith(b'horten", "signature": "shorten(text, width)", "summary')
+    assert b"Quickly" not in draft and b"Adds" not in draft

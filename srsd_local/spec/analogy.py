@@ -15,7 +15,6 @@ Pure Python (bytes.rfind), run only when the context's suffix repeats an earlier
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,7 +22,7 @@ import numpy as np
 
 from ..config import SRSDConfig
 from .draft import ANALOGY, Drafter, DraftInput, Proposal
-from .textlookup import longest_repeat
+from .textlookup import longest_repeat, source_tokens
 
 MIN_SUFFIX = 8  # bytes of the current suffix that must repeat (the example's "key")
 CONFIRM = 16  # bytes of it looked for before the example, for one that confirms it
@@ -95,12 +94,22 @@ def _literal(text: bytes, value: bytes, m: int, item: int, q: int) -> tuple[byte
 def find_analogy(text: bytes) -> Analogy | None:
     """The analogy draft at the end of `text`, or None where the suffix repeats nothing, the
     example's continuation copies nothing earlier, or the copy's anchor has no counterpart
-    after the example. `confirmed`: the example before it maps to the same place."""
+    after the examples. `confirmed`: another example maps to the same place."""
+    n = len(text)
     size, pos = longest_repeat(text, MIN_SUFFIX)
     if not size:
         return None
     q = pos + size  # the example's continuation starts here
-    found = _counterpart(text, q, q)
+    # the other examples: earlier occurrences of the suffix's last bytes (they may differ
+    # further back), the most recent first
+    key = min(size, CONFIRM)
+    ends: list[int] = []
+    at = text.rfind(text[n - key:], 0, n - 1)
+    while at >= 0 and len(ends) < 3:
+        ends.append(at + key)
+        at = text.rfind(text[n - key:], 0, at + key - 1)
+    after = max([q, *ends])  # the current item begins after every example
+    found = _counterpart(text, q, after)
     if found is None:
         return None
     start, stop, m, a, item = found
@@ -110,12 +119,14 @@ def find_analogy(text: bytes) -> Analogy | None:
     value = text[q: q + SPAN]
     if not copy or copy == value[:len(copy)]:
         return None  # nothing to copy, or the example's own value (a plain lookup has it)
-    key = min(size, CONFIRM)  # the example before may differ further back
-    before = text.rfind(text[len(text) - key:], 0, q - 1)
-    other = None if before < 0 else _counterpart(text, before + key, q)
+    confirmed = False
+    for other in [e for e in ends if e != q][:2]:
+        seen = _counterpart(text, other, after)
+        if seen is not None and seen[0] == start:
+            confirmed = True
+            break
     literal, more = _literal(text, value, m, item, q)
-    return Analogy(copy, start, literal, size, m, a, other is not None and other[0] == start,
-                   more)
+    return Analogy(copy, start, literal, size, m, a, confirmed, more)
 
 
 class AnalogyDrafter(Drafter):
@@ -129,7 +140,7 @@ class AnalogyDrafter(Drafter):
 
     def __init__(self, config: SRSDConfig) -> None:
         super().__init__(config)
-        self._last: tuple[tuple, list[list[int]]] = ((), [])
+        self._last: tuple[tuple, list[int]] = ((), [])
 
     def propose(self, inp: DraftInput) -> list[Proposal]:
         text = inp.text
@@ -153,26 +164,25 @@ class AnalogyDrafter(Drafter):
             return []
         draft, link = b"", found
         limit = BYTES_PER_TOKEN * self.config.draft_depth
-        while True:
+        while link is not None:
             draft += link.text
             if not link.more or len(draft) >= limit:
                 break
             link = find_analogy(base + draft)
             if not _usable(link):
-                break
+                link = None  # the draft ends with a literal the example went on from
         key = (base[-8:], head, draft)
         if self._last[0] != key:  # found again after a rejection: reuse
-            self._last = (key, _variants(draft, head, found, not link.more, inp))
-        out: list[Proposal] = []
-        for toks in self._last[1]:
-            toks = (prefix + toks)[: self.config.draft_depth]
-            if len(toks) > len(prefix):
-                # two examples agree on the place: strong evidence (weight), and the shorter
-                # of the anchor and the traced copy says how specific the place is (agreement)
-                out.append((np.asarray(toks, dtype=np.int32),
-                            min(1.0, (found.anchor + found.source) / 32),
-                            max(1, min(8, min(found.anchor, found.source) // 4))))
-        return out
+            # the draft's end may cut a token unless it ends where the example copied next
+            self._last = (key, _tokens(draft, head, found, link is None or not link.more,
+                                       inp))
+        toks = (prefix + self._last[1])[: self.config.draft_depth]
+        if len(toks) <= len(prefix):
+            return []
+        # two examples agree on the place: strong evidence (weight), and the shorter of the
+        # anchor and the traced copy says how specific the place is (agreement)
+        return [(np.asarray(toks, dtype=np.int32), min(1.0, (found.anchor + found.source) / 32),
+                 max(1, min(8, min(found.anchor, found.source) // 4)))]
 
 
 def _usable(found: Analogy | None) -> bool:
@@ -181,51 +191,22 @@ def _usable(found: Analogy | None) -> bool:
     return found is not None and found.confirmed
 
 
-def _variants(draft: bytes, head: bytes, found: Analogy, cut: bool,
-              inp: DraftInput) -> list[list[int]]:
-    """Tokenizations of `draft` after its first bytes `head` (the root's): with the first
-    copy in the tokens of its source (a model copies a name as its source spells it:
-    ` n|smallest` is copied as `n|smallest`, while the tokenizer writes `ns|mall|est`), and
-    as the tokenizer writes the whole draft. Where the root begins the value, the value is
+def _tokens(draft: bytes, head: bytes, found: Analogy, cut: bool, inp: DraftInput
+            ) -> list[int]:
+    """The tokens of `draft` after its first bytes `head` (the root's), the first copy as its
+    source spells it (a model copies a name as its source has it: ` n|smallest` is copied as
+    `n|smallest`, while the tokenizer writes `ns|mall|est`; both as one draft each made the
+    trees twice as big for one right branch). Where the root begins the value, the value is
     tokenized whole and must begin with the root. With `cut`, the last token is dropped (it
     may be a fragment)."""
     assert inp.tokenize is not None
     rest = draft[len(found.copy):]
-    mirrored = _mirror(found, inp)
-    candidates = [list(inp.tokenize(draft))]
-    if mirrored is not None:
-        candidates.insert(0, mirrored + (list(inp.tokenize(rest)) if rest else []))
-    out: list[list[int]] = []
-    for toks in candidates:
-        if head:
-            if not toks or toks[0] != inp.root:
-                continue
-            toks = toks[1:]
-        if cut:
-            toks = toks[:-1]
-        if toks and toks not in out:
-            out.append(toks)
-    if head and not out:  # the root is not the value's first token as either writes it
-        toks = list(inp.tokenize(draft[len(head):]))
-        out.append(toks[:-1] if cut else toks)
-    return out
-
-
-def _mirror(found: Analogy, inp: DraftInput) -> list[int] | None:
-    """The tokens of the copied value as its source has them (pieces the copy cuts are
-    tokenized afresh), or None where the source's tokens are not known."""
-    assert inp.tokenize is not None
-    ends, end = inp.ends, found.at + len(found.copy)
-    if not len(ends) or end > ends[-1]:
-        return None
-    k = bisect_right(ends, found.at)
-    out: list[int] = []
-    lo = found.at
-    while lo < end:
-        e = ends[k]
-        if (ends[k - 1] if k else 0) == lo and e <= end:
-            out.append(int(inp.tokens[k]))
-        else:
-            out.extend(inp.tokenize(inp.text[lo: min(e, end)]))
-        lo, k = min(e, end), k + 1
-    return out
+    spelt = source_tokens(inp, found.at, found.at + len(found.copy))
+    toks = list(inp.tokenize(draft)) if spelt is None else \
+        spelt + (list(inp.tokenize(rest)) if rest else [])
+    if head:
+        if not toks or toks[0] != inp.root:
+            toks = list(inp.tokenize(draft))  # the tokenizer's spelling may begin with it
+        toks = toks[1:] if toks and toks[0] == inp.root else \
+            list(inp.tokenize(draft[len(head):]))
+    return toks[:-1] if cut else toks

@@ -18,6 +18,7 @@ writes. Pure Python (bytes.rfind).
 from __future__ import annotations
 
 import re
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -32,6 +33,8 @@ MAX_MATCH = 64  # the longest suffix looked for
 MAX_PROPOSALS = 3  # distinct continuations drafted at most
 MAX_PER_MATCH = 2  # occurrences of one suffix looked at (the most recent first)
 BYTES_PER_TOKEN = 4  # continuation text taken per draft token (about)
+SPELL = 2  # leading draft tokens also drafted as the source spells them
+MEMO_SIZE = 4096  # tokenizations of cut source pieces kept (pieces recur)
 _SPACES = re.compile(rb"\s+")
 
 
@@ -103,6 +106,35 @@ def longest_repeat(text: bytes | bytearray, lo: int = MIN_MATCH, hi: int = MAX_M
     return found, at
 
 
+def source_tokens(inp: DraftInput, lo: int, end: int, memo: dict | None = None
+                  ) -> list[int] | None:
+    """The tokens of the context's text[lo:end] as the context has them (a piece the span
+    cuts is tokenized afresh, through `memo` when given), or None where the context's tokens
+    are not known (a model copies a name as its source spells it: ` n|smallest` is copied
+    as `n|smallest`, while the tokenizer writes `ns|mall|est`)."""
+    ends = inp.ends
+    if not len(ends) or end > ends[-1] or inp.tokenize is None:
+        return None
+    k = bisect_right(ends, lo)
+    out: list[int] = []
+    while lo < end:
+        e = ends[k]
+        if (ends[k - 1] if k else 0) == lo and e <= end:
+            out.append(int(inp.tokens[k]))
+        else:
+            part = inp.text[lo: min(e, end)]
+            got = None if memo is None else memo.get(part)
+            if got is None:
+                got = list(inp.tokenize(part))
+                if memo is not None:
+                    if len(memo) > MEMO_SIZE:
+                        memo.clear()
+                    memo[part] = got
+            out.extend(got)
+        lo, k = min(e, end), k + 1
+    return out
+
+
 class TextLookupDrafter(Drafter):
     """Drafts the text that followed the longest repeated suffix of the context's text (its
     most recent occurrences with distinct continuations), and, as an alternative branch, what
@@ -117,6 +149,7 @@ class TextLookupDrafter(Drafter):
         super().__init__(config)
         self._cache = TokenCache()
         self._flat_cache = TokenCache()  # positions in the collapsed text
+        self._memo: dict[bytes, list[int]] = {}  # cut source pieces -> their tokens
 
     def propose(self, inp: DraftInput) -> list[Proposal]:
         text = inp.text
@@ -160,9 +193,14 @@ class TextLookupDrafter(Drafter):
         seen.add(cont[:8])
         toks = cache.tokens(start, cont, start + span >= len(text), depth // 2, inp.tokenize,
                             inp.piece)
+        weight, agree = min(1.0, size / 32), min(_MAX_AGREE, max(1, size // BYTES_PER_TOKEN))
         if toks:
-            out.append((np.asarray(toks[:depth], dtype=np.int32), min(1.0, size / 32),
-                        min(_MAX_AGREE, max(1, size // BYTES_PER_TOKEN))))
+            out.append((np.asarray(toks[:depth], dtype=np.int32), weight, agree))
+        if cache is self._cache and toks and len(inp.ends):  # the source's own tokens,
+            # where they begin otherwise (a copy that begins inside a source token)
+            spelt = source_tokens(inp, start, min(start + span, inp.ends[-1]), self._memo)
+            if spelt and spelt[:SPELL] != toks[:SPELL]:
+                out.append((np.asarray(spelt[:-1][:depth], dtype=np.int32), weight, agree))
 
 
 class TokenCache:
