@@ -199,6 +199,20 @@ def test_stale_sizes_get_an_optimistic_guess_only_when_exploring():
     assert c.table(16, explore=True)[16] == pytest.approx(c.table(16)[16])
 
 
+def test_a_step_between_profile_sizes_corrects_its_neighbours_without_confirming_them():
+    c = CostModel([1, 4, 6, 16], [0.012, 4.3, 4.3, 4.3])  # poisoned above one token
+    for _ in range(3):
+        c.observe(1, 0.012)
+    c.observe(5, 0.045)  # a real 5-token step: its neighbours' estimates come down at once
+    assert c.t(4) < 0.05 and c.t(6) < 0.1
+    # ... but t(4) was inferred, not measured (4 tokens may cost far less than 5 took here):
+    # size 4 stays open to exploration, with an optimistic guess below the inferred value
+    assert c.can_explore(4)
+    assert c.table(4, explore=True)[4] < c.table(4)[4]
+    c.observe(4, 0.029)  # measured at its own size: now confirmed
+    assert c.t(4) == pytest.approx(0.029) and not c.can_explore(4)
+
+
 def test_speculation_recovers_from_a_poisoned_profile_on_the_fake():
     def run(profile):
         # decoding n tokens takes 6 ms + 0.6 ms per extra token (slept): a batch is cheap

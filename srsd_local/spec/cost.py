@@ -146,7 +146,10 @@ class CostModel:
             else:
                 self.raw[j] = view[j] + self.alpha * err / len(points)
             self.raw[j] = max(self.raw[j], 1e-6)
-            self.confirmed[j] = self.steps
+            if self.sizes[j] == n:  # a neighbour's estimate is only inferred: it stays
+                # open to exploration (a poisoned t(4), corrected from a 5-token step to
+                # what 5 tokens cost, would otherwise pass for measured and rule 4 out)
+                self.confirmed[j] = self.steps
         self._update()
 
     def to_dict(self) -> dict:

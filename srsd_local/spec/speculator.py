@@ -30,6 +30,7 @@ RECENT_RATE = 0.3  # EMA weight of the last verified tree's outcome
 RECENT_DRIFT = 0.05  # per plain step, towards neutral, so drafting gets retried
 MAX_SKIP = 8  # steps without drafting after plans kept being declined
 EXPLORE_GAP = 50  # steps between plans that try a stale cost estimate optimistically
+EXPLORE_AFTER_SURPRISE = 4  # plans that do so after a step far faster than its estimate
 SEED_TRIALS = 10  # calibration seeds count at most this many outcomes per kind of node
 INDEXED_MODES = ("retrieval", "srsd", "hybrid")  # modes that query the hidden-state index
 TEXT_MODES = ("srsd",)  # modes that draft from the context's text (DraftInput.text)
@@ -71,6 +72,7 @@ class Speculator:
         self.drafters = self._make_drafters(config)
         self._explored_at = -EXPLORE_GAP  # cost.steps at the last exploratory plan
         self._surprises = 0  # cost.surprises when last looked at
+        self._explore_left = 0  # plans that still explore after a surprise
 
     def _make_drafters(self, config: SRSDConfig) -> dict[str, Drafter | None]:
         self.pool = NgramModDrafter(config)  # one n-gram pool serves every mode that uses it
@@ -133,12 +135,13 @@ class Speculator:
         q_mean = [1.0] + [b[0] for b in both]
         n_max = min(room, len(tree) - 1) + 1
         if self.cost.surprises != self._surprises:  # an estimate was far too high: look
-            self._surprises = self.cost.surprises  # for more of them right away
-            self._explored_at = -EXPLORE_GAP
-        explore = (self.cost.steps - self._explored_at >= EXPLORE_GAP
+            self._surprises = self.cost.surprises  # for more of them in the next plans
+            self._explore_left = EXPLORE_AFTER_SURPRISE
+        explore = ((self._explore_left > 0 or self.cost.steps - self._explored_at >= EXPLORE_GAP)
                    and self.cost.can_explore(n_max))
         if explore:  # an unconfirmed cost estimate must not rule big trees out for good
             self._explored_at = self.cost.steps
+            self._explore_left = max(0, self._explore_left - 1)
         cost = self.cost.table(n_max + offset, ctx, explore=explore)[offset:]
         dc = self.depth_calibration.setdefault((req.mode, req.greedy), DepthCalibration())
         return choose(tree, q, cost, self.config.max_branches, q_mean, dc.scale(), ev, gain)
