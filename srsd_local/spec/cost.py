@@ -10,9 +10,11 @@ A profile measured while the machine was busy must not switch speculation off fo
   measured); bigger steps correct the points around their size; a step faster than its
   estimate replaces it at once (load on the machine only ever adds time), slower ones
   move it slowly;
-- sizes whose cost has not been confirmed by a real step recently are `stale`: the
-  controller occasionally plans with an optimistic guess for them (`table(..., explore=True)`),
-  so a wrong estimate gets tested instead of ruling those trees out forever.
+- sizes whose cost has not been confirmed by a real step of that size recently are `stale`
+  (a step between two sizes corrects both, but only infers them): the controller
+  occasionally plans with an optimistic guess for them (`table(..., explore=True)`), and for
+  a few plans in a row after a surprise, so a wrong estimate gets tested instead of ruling
+  those trees out forever.
 """
 
 from __future__ import annotations
