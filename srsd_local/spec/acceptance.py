@@ -65,9 +65,9 @@ class AcceptanceModel:
     def _post(self, ev: NodeEvidence, source: str, greedy: bool) -> tuple[float, float]:
         coarse, fine = ev.keys(source, greedy)
         a, n_coarse = self.counts.get(coarse, (0, 0))
-        source = coarse[0]
-        prior = self.forced_prior if "grammar" in source else \
-            self.analogy_prior if "analogy" in source else self.prior
+        kind = coarse[0]  # the node's sources
+        prior = self.forced_prior if "grammar" in kind else \
+            self.analogy_prior if "analogy" in kind else self.prior
         qc = (a + self.strength * prior) / (n_coarse + self.strength)
         a, n = self.counts.get(fine, (0, 0))
         return (a + self.strength * qc) / (n + self.strength), n_coarse

@@ -17,14 +17,13 @@ Pure Python (bytes.rfind, about 10-25 us a search on a 2k-byte prompt).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..config import SRSDConfig
 from .draft import ANALOGY, Drafter, DraftInput, Proposal
-from .textlookup import longest_repeat, source_tokens
+from .textlookup import longest_found, longest_repeat, source_tokens
 
 MIN_SUFFIX = 8  # bytes of the current suffix that must repeat (the example's "key")
 CONFIRM = 16  # bytes of it looked for in the other examples (they may differ before)
@@ -42,7 +41,6 @@ class Analogy:
     copy: bytes  # the current item's counterpart of the example's copied value
     at: int  # where that counterpart starts in the text
     literal: bytes  # what the example wrote after its copy
-    suffix: int  # bytes of the context's suffix the example repeats
     source: int  # bytes of the example's value found in its source
     anchor: int  # bytes before that source found again in the current item
     confirmed: bool = False  # another example maps to the same place
@@ -53,30 +51,16 @@ class Analogy:
         return self.copy + self.literal
 
 
-def _longest(found: Callable[[int], int], lo: int, hi: int) -> tuple[int, int]:
-    """(largest k in lo..hi with found(k) >= 0, found(k)) by bisection, for a `found` whose
-    success is monotone (k works implies every smaller k does); (0, -1) when lo fails."""
-    best, at = 0, -1
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        pos = found(mid)
-        if pos >= 0:
-            best, at, lo = mid, pos, mid + 1
-        else:
-            hi = mid - 1
-    return best, at
-
-
 def _counterpart(text: bytes, q: int, after: int) -> tuple[int, int, int, int, int] | None:
     """For an example whose continuation starts at q: (where the current item's counterpart
     of its copied value starts, the byte that ended the copy in the example's source, bytes
     of the value found in that source, bytes of the anchor, where the anchor starts in the
     example), or None. The counterpart is looked for after byte `after`."""
     value = text[q: q + SPAN]
-    m, s = _longest(lambda k: text.rfind(value[:k], 0, q), MIN_COPY, len(value))
+    m, s = longest_found(lambda k: text.rfind(value[:k], 0, q), MIN_COPY, len(value))
     if not m:
         return None
-    a, at = _longest(lambda k: text.rfind(text[s - k: s], after, len(text)), MIN_ANCHOR,
+    a, at = longest_found(lambda k: text.rfind(text[s - k: s], after, len(text)), MIN_ANCHOR,
                      min(MAX_ANCHOR, s))
     if not a or at + a >= len(text):
         return None
@@ -104,12 +88,12 @@ def find_analogy(text: bytes) -> Analogy | None:
     q = pos + size  # the example's continuation starts here
     # the other examples: earlier occurrences of the suffix's last bytes (they may differ
     # further back), the most recent first
-    key = min(size, CONFIRM)
+    tail = text[n - min(size, CONFIRM):]
     ends: list[int] = []
-    at = text.rfind(text[n - key:], 0, n - 1)
+    at = text.rfind(tail, 0, n - 1)
     while at >= 0 and len(ends) < 3:
-        ends.append(at + key)
-        at = text.rfind(text[n - key:], 0, at + key - 1)
+        ends.append(at + len(tail))
+        at = text.rfind(tail, 0, at + len(tail) - 1)
     after = max([q, *ends])  # the current item begins after every example
     found = _counterpart(text, q, after)
     if found is None:
@@ -128,7 +112,7 @@ def find_analogy(text: bytes) -> Analogy | None:
             confirmed = True
             break
     literal, more = _literal(text, value, m, item, q)
-    return Analogy(copy, start, literal, size, m, a, confirmed, more)
+    return Analogy(copy, start, literal, m, a, confirmed, more)
 
 
 class AnalogyDrafter(Drafter):
@@ -157,8 +141,8 @@ class AnalogyDrafter(Drafter):
                 found = None
         prefix: list[int] = []
         if found is None and len(inp.forced):  # the value may begin after forced text
-            forced = b"".join(inp.piece(t) for t in inp.forced)
-            base, head, found = text + forced, b"", find_analogy(text + forced)
+            base, head = text + b"".join(inp.piece(t) for t in inp.forced), b""
+            found = find_analogy(base)
             if not _usable(found):
                 return []
             prefix = list(inp.forced)

@@ -33,7 +33,7 @@ MAX_MATCH = 64  # the longest suffix looked for
 MAX_PROPOSALS = 3  # distinct continuations drafted at most
 MAX_PER_MATCH = 2  # occurrences of one suffix looked at (the most recent first)
 BYTES_PER_TOKEN = 4  # continuation text taken per draft token (about)
-SPELL = 2  # leading draft tokens also drafted as the source spells them
+SPELL = 2  # leading tokens compared: the source's spelling is drafted too where they differ
 MEMO_SIZE = 4096  # tokenizations of cut source pieces kept (pieces recur)
 _SPACES = re.compile(rb"\s+")
 
@@ -94,16 +94,22 @@ def longest_repeat(text: bytes | bytearray, lo: int = MIN_MATCH, hi: int = MAX_M
     earlier, at its most recent such occurrence; (0, -1) when none of lo bytes does. (A suffix
     that occurs implies all its suffixes do, so the length is found by bisection.)"""
     n = len(text)
-    hi = min(hi, n - 1)
-    found, at = 0, -1
+    return longest_found(lambda k: text.rfind(text[n - k:], 0, n - 1), lo, min(hi, n - 1))
+
+
+def longest_found(found: Callable[[int], int], lo: int, hi: int) -> tuple[int, int]:
+    """(the largest k in lo..hi with found(k) >= 0, found(k)) by bisection, for a `found`
+    whose success is monotone (k works implies every smaller k does); (0, -1) when lo
+    fails."""
+    best, at = 0, -1
     while lo <= hi:
         mid = (lo + hi) // 2
-        pos = text.rfind(text[n - mid:], 0, n - 1)
+        pos = found(mid)
         if pos >= 0:
-            found, at, lo = mid, pos, mid + 1
+            best, at, lo = mid, pos, mid + 1
         else:
             hi = mid - 1
-    return found, at
+    return best, at
 
 
 def source_tokens(inp: DraftInput, lo: int, end: int, memo: dict | None = None
