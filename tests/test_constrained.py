@@ -89,9 +89,13 @@ def test_values_an_example_copied_are_drafted_by_analogy_and_accepted(seeded, mo
     """After two worked examples, the current function's name, signature and summary are
     drafted by analogy (and after the keys the grammar forces); long runs of them are
     accepted, and the output is still plain constrained decoding's."""
+    from srsd_local.spec.cost import CostModel
     from srsd_local.spec.draft import ANALOGY
 
     engine, p = seeded, load_workload("json")[1]  # shutil.copyfile
+    # verification nearly free, whatever step costs earlier tests left the cost model with:
+    # the trees verified are the drafts themselves, not the planner's cut of them
+    monkeypatch.setattr(engine.speculator, "cost", CostModel([1, 2, 64], [0.010, 0.0102, 0.011]))
     runs: list[int] = []
     observe = engine.speculator.observe
 
