@@ -196,3 +196,23 @@ def test_a_chain_stops_where_the_next_value_has_no_counterpart():
     draft = bytes(toks.tolist())
     assert draft.startswith(b'horten", "signature": "shorten(text, width)", "summary')
     assert b"Quickly" not in draft and b"Adds" not in draft
+
+
+def test_a_chain_cut_at_the_draft_depth_goes_on_where_the_model_followed_it():
+    drafter = AnalogyDrafter(SRSDConfig(draft_depth=12))
+    ctx = TWO + CURRENT + b'{"name": "'
+    [(toks, _, _)] = drafter.propose(byte_input(ctx, ord("s")))
+    assert bytes(toks.tolist()) == b'horten", "si'
+    # the model accepted that and chose `g`: in the middle of the key, where no analogy is
+    # found afresh, the rest of the chain is drafted
+    ctx += b's' + bytes(toks.tolist())
+    assert find_analogy(ctx + b"g") is None or not find_analogy(ctx + b"g").confirmed
+    [(toks, _, _)] = drafter.propose(byte_input(ctx, ord("g")))
+    assert bytes(toks.tolist()) == b'nature": "sh'
+    # two steps on, in the middle of the signature's value: still the chain, drafted on
+    # past its first length limit
+    ctx += b"g" + bytes(toks.tolist()) + b"o"
+    [(toks, _, _)] = drafter.propose(byte_input(ctx, ord("r")))
+    assert bytes(toks.tolist()) == b'ten(text, wi'
+    # the model went elsewhere: nothing from the chain
+    assert drafter.propose(byte_input(ctx + b"rten(x", ord(","))) == []

@@ -127,11 +127,17 @@ class AnalogyDrafter(Drafter):
     def __init__(self, config: SRSDConfig) -> None:
         super().__init__(config)
         self._last: tuple[tuple, list[int]] = ((), [])
+        # the last chain drafted: (the text it followed, its bytes, its first analogy, whether
+        # its end may cut a token)
+        self._chain: tuple[bytes, bytes, Analogy, bool] | None = None
 
     def propose(self, inp: DraftInput) -> list[Proposal]:
         text = inp.text
         if inp.tokenize is None or inp.piece is None or len(text) <= MIN_SUFFIX:
             return []
+        resumed = self._resume(inp)
+        if resumed is not None:
+            return resumed
         base, head, found = text, b"", find_analogy(text)
         if not _usable(found):  # the known next token may have begun the value
             head = inp.piece(inp.root)
@@ -148,27 +154,68 @@ class AnalogyDrafter(Drafter):
             prefix = list(inp.forced)
         if found is None:
             return []
-        draft, link = b"", found
+        draft, cut = self._chained(base, b"", found)
+        self._chain = (base, draft, found, cut)
+        key = (base[-8:], head, draft)
+        if self._last[0] != key:  # found again after a rejection: reuse
+            self._last = (key, _tokens(draft, head, found, cut, inp))
+        return self._proposal(prefix + self._last[1], len(prefix), found)
+
+    def _chained(self, base: bytes, draft: bytes, link: Analogy | None) -> tuple[bytes, bool]:
+        """`draft` (the text after `base` drafted so far) extended by `link` and the analogies
+        that follow it, up to about draft_depth tokens; (the draft, whether its end may cut a
+        token: it does not where the example went on to copy next)."""
         limit = BYTES_PER_TOKEN * self.config.draft_depth
         while link is not None:
             draft += link.text
-            if not link.more or len(draft) >= limit:
-                break
+            if not link.more:
+                return draft, True
+            if len(draft) >= limit:
+                return draft, False
             link = find_analogy(base + draft)
             if not _usable(link):
                 link = None  # the draft ends with a literal the example went on from
-        key = (base[-8:], head, draft)
-        if self._last[0] != key:  # found again after a rejection: reuse
-            # the draft's end may cut a token unless it ends where the example copied next
-            self._last = (key, _tokens(draft, head, found, link is None or not link.more,
-                                       inp))
-        toks = (prefix + self._last[1])[: self.config.draft_depth]
-        if len(toks) <= len(prefix):
+        return draft, True
+
+    def _proposal(self, toks: list[int], fixed: int, found: Analogy) -> list[Proposal]:
+        """`toks` drafted (the first `fixed` of them known already), weighed by `found`."""
+        toks = toks[: self.config.draft_depth]
+        if len(toks) <= fixed:
             return []
         # two examples agree on the place: strong evidence (weight), and the shorter of the
         # anchor and the traced copy says how specific the place is (agreement)
         return [(np.asarray(toks, dtype=np.int32), min(1.0, (found.anchor + found.source) / 32),
                  max(1, min(8, min(found.anchor, found.source) // 4)))]
+
+    def _resume(self, inp: DraftInput) -> list[Proposal] | None:
+        """The rest of the last chain drafted, where the text since then (the root's and
+        what a grammar forces included) followed it: a tree holds only draft_depth tokens
+        of a chain, and in the middle of a copied value the context's suffix repeats that
+        value's source rather than the example's key, so no analogy is found there afresh.
+        None where the text went elsewhere."""
+        if self._chain is None:
+            return None
+        base, draft, found, cut = self._chain
+        text = inp.text
+        if len(text) <= len(base) or not text.startswith(base):
+            return None
+        done = text[len(base):]
+        forced = b"".join(inp.piece(t) for t in inp.forced) if len(inp.forced) else b""
+        if forced and draft.startswith(done + forced):
+            done, prefix = done + forced, list(inp.forced)
+        else:
+            prefix = []
+        if len(done) >= len(draft) or not draft.startswith(done):
+            return None
+        if not cut and len(draft) - len(done) < BYTES_PER_TOKEN * self.config.draft_depth:
+            # the chain stopped at its length limit where the example went on: go on
+            link = find_analogy(base + draft)
+            draft, cut = self._chained(base, draft, link if _usable(link) else None)
+            self._chain = (base, draft, found, cut)
+        assert inp.tokenize is not None
+        # the tokens of the rest begin where `done` ends (the root's or a forced token's end)
+        toks = list(inp.tokenize(draft[len(done):]))
+        return self._proposal(prefix + (toks[:-1] if cut else toks), len(prefix), found)
 
 
 def _usable(found: Analogy | None) -> bool:

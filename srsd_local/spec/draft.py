@@ -15,10 +15,12 @@ from .tree import TokenTree
 
 Proposal = tuple[np.ndarray, float, int]
 # draft sources: their bits in TokenTree.origin, and the names the acceptance model keys by
-ORIGINS = {1: "srsd", 2: "ngram", 4: "pld", 8: "grammar", 16: "text", 32: "analogy"}
+ORIGINS = {1: "srsd", 2: "ngram", 4: "pld", 8: "grammar", 16: "text", 32: "analogy",
+           64: "list"}
 RETRIEVAL = 1  # the bit of drafts hidden-state retrieval proposed
 GRAMMAR = 8  # the bit of drafts a grammar forces (see DraftInput.forced)
 ANALOGY = 32  # the bit of drafts made by analogy with an earlier example (analogy.py)
+LIST = 64  # the bit of drafts that continue a list copied name by name (listcopy.py)
 
 
 @lru_cache(maxsize=64)
@@ -34,9 +36,9 @@ def acceptance_source(bits: int) -> str:
     Keying retrieval's nodes by every combination split their evidence into thin keys with
     low seeds, and the controller cut their trees short: with one key, the default mode made
     as many tokens per step as retrieval alone on edits, and 5% more tokens/s overall.
-    Analogy drafts likewise have one key (the n-gram pool or text lookup often propose the
-    same nodes once an item's values have been seen)."""
-    for one in (RETRIEVAL, ANALOGY):
+    Analogy and list drafts likewise have one key each (the n-gram pool or text lookup often
+    propose the same nodes once an item's values have been seen)."""
+    for one in (RETRIEVAL, ANALOGY, LIST):
         if bits & one:
             return origin_name(bits & (one | GRAMMAR))
     return origin_name(bits)

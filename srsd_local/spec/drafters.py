@@ -6,8 +6,8 @@
 | pld       | classic prompt lookup: one linear draft, no controller           |
 | ngram     | n-gram pool (precise, only when confident)                       |
 | retrieval | hidden-state retrieval                                           |
-| srsd      | hidden-state retrieval + n-gram pool + text lookup, one tree     |
-|           | (the default)                                                    |
+| srsd      | hidden-state retrieval + n-gram pool + text lookup + analogy and |
+|           | list drafts, one tree (the default)                              |
 | hybrid    | hidden-state retrieval + prompt-lookup trie                      |
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 from ..config import SRSDConfig
 from .analogy import AnalogyDrafter
 from .draft import Drafter, DraftInput, Proposal
+from .listcopy import ListCopyDrafter
 from .ngram import NgramDrafter
 from .ngram_mod import NgramModDrafter
 from .retrieval import SemanticDrafter
@@ -57,7 +58,8 @@ def make_drafter(mode: str, config: SRSDConfig, pool: NgramModDrafter | None = N
         return ngram
     if mode == "srsd":
         return MergedDrafter(config, (SemanticDrafter(config), ngram,
-                                      TextLookupDrafter(config), AnalogyDrafter(config)),
+                                      TextLookupDrafter(config), AnalogyDrafter(config),
+                                      ListCopyDrafter(config)),
                              "srsd")
     if mode == "hybrid":
         return MergedDrafter(config, (SemanticDrafter(config), NgramDrafter(config)), "hybrid")

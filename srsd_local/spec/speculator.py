@@ -29,6 +29,7 @@ from .tree import TokenTree
 RECENT_RATE = 0.3  # EMA weight of the last verified tree's outcome
 RECENT_DRIFT = 0.05  # per plain step, towards neutral, so drafting gets retried
 MAX_SKIP = 8  # steps without drafting after plans kept being declined
+BACK_OFF_EMPTY = True  # drafts that found nothing count as declined plans for the back-off
 EXPLORE_GAP = 50  # steps between plans that try a stale cost estimate optimistically
 EXPLORE_AFTER_SURPRISE = 4  # plans that do so after a step far faster than its estimate
 SEED_TRIALS = 10  # calibration seeds count at most this many outcomes per kind of node
@@ -109,13 +110,22 @@ class Speculator:
             return None
         tree = drafter.draft(inp, max_nodes=room)
         if not tree.n_draft:
+            if BACK_OFF_EMPTY and drafter.config.adaptive:
+                self._back_off(req, False)
             return None
         if not drafter.config.adaptive:
             return unplanned(tree, req.recent)
         plan = self._plan(tree, req, room, inp.tokens.shape[0], offset, gain)
-        req.declined = 0 if plan.tree.n_draft else req.declined + 1
-        req.skip = min(2 ** req.declined // 2, MAX_SKIP)
+        self._back_off(req, bool(plan.tree.n_draft))
         return plan if plan.tree.n_draft else None
+
+    @staticmethod
+    def _back_off(req: Request, verified: bool) -> None:
+        """After drafting that led to no tree (nothing found, or the controller declined
+        it) the next drafting waits 1, 2, 4, ... up to MAX_SKIP steps; a verified tree
+        resets it."""
+        req.declined = 0 if verified else req.declined + 1
+        req.skip = min(2 ** req.declined // 2, MAX_SKIP)
 
     def skips(self, req: Request) -> bool:
         """Whether this step goes without drafting: the controller kept declining, so it
