@@ -113,6 +113,34 @@ def test_values_an_example_copied_are_drafted_by_analogy_and_accepted(seeded, mo
     assert rep.ok, rep.summary()
 
 
+def test_a_parameter_list_is_drafted_name_by_name_and_accepted(seeded, monkeypatch):
+    """The `parameters` list of shutil.rmtree re-punctuates its signature's names
+    (`path, ignore_errors=False, ...` as `"path", "ignore_errors", ...`): once the first name
+    and its separator are written, the rest of the list is drafted from the signature and
+    accepted in one run; the output is still plain constrained decoding's."""
+    from srsd_local.spec.cost import CostModel
+    from srsd_local.spec.draft import LIST
+
+    engine, p = seeded, load_workload("json")[7]  # shutil.rmtree
+    monkeypatch.setattr(engine.speculator, "cost", CostModel([1, 2, 64], [0.010, 0.0102, 0.011]))
+    runs: list[int] = []
+    observe = engine.speculator.observe
+
+    def counting(req, plan, path):
+        if plan is not None:
+            runs.append(sum(1 for i in path[1:] if plan.tree.origin[i] & LIST))
+        return observe(req, plan, path)
+
+    monkeypatch.setattr(engine.speculator, "observe", counting)
+    out = engine.generate(p.prompt, max_tokens=p.max_tokens, mode="srsd",
+                          json_schema=p.json_schema)
+    params = json.loads(out.text)["parameters"]
+    assert params[:3] == ["path", "ignore_errors", "onerror"], params
+    assert max(runs) >= 6, runs  # `", "ignore_errors", "onerror` and more in one step
+    rep = engine.verify_output(p.prompt, out.token_ids, json_schema=p.json_schema)
+    assert rep.ok, rep.summary()
+
+
 def test_unconstrained_argmax_is_refused_where_the_grammar_forbids_it(engine):
     """Plain decoding of this prompt starts with a token the grammar does not admit: the
     constrained output differs from the unconstrained one, and verify_output without the
