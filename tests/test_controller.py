@@ -140,16 +140,23 @@ def test_retrievals_nodes_are_judged_as_retrievals_whatever_else_proposed_them()
     assert AcceptanceModel().q(evidence(t)[n1], "srsd", True) > 0.9
 
 
-def test_cost_grows_with_context_and_is_monotone():
+def test_cost_grows_with_context_and_steps_run_at_the_cheapest_size_from_theirs():
     c = CostModel([1, 2, 4, 8], [0.010, 0.021, 0.019, 0.040], per_kv=2e-6, ctx0=100)
-    assert list(c.seconds) == sorted(c.seconds)  # noise smoothed: never cheaper when bigger
+    # 2 tokens cost more than 4 (kernels that take rows in tiles): a 2-token step runs
+    # padded to 4; 3 tokens (not profiled) run at the next profiled size, 4; 5..8 at 8
+    cost, size = c.plan_table(8)
+    assert list(size[1:]) == [1, 4, 4, 4, 8, 8, 8, 8]
+    assert cost[2] == cost[3] == cost[4] == pytest.approx(0.019)
+    assert list(cost[1:]) == sorted(cost[1:])  # what a step costs never falls with its size
+    assert c.padded(2, 3) == 3 and c.t(2) == pytest.approx(0.020)  # no room for 4: as is
     short, long = c.table(17, ctx=100), c.table(17, ctx=1100)
     assert long[17] - short[17] == pytest.approx(2e-6 * 17 * 1000)
     assert long[1] - short[1] == pytest.approx(2e-6 * 1000)
     # at a long context each node costs more attention: the chosen tree shrinks
     tree = _chain_tree(16)
     q = [1.0] + [0.8] * 16
-    cm = CostModel([1, 2, 17], [0.010, 0.020, 0.045], per_kv=3e-6, ctx0=100)
+    sizes = list(range(1, 18))
+    cm = CostModel(sizes, [0.010 + 0.0022 * (n - 1) for n in sizes], per_kv=3e-6, ctx0=100)
     near = choose(tree, q, cm.table(17, 100), 4).tree.n_draft
     far = choose(tree, q, cm.table(17, 2000), 4).tree.n_draft
     assert near > far > 0
@@ -158,8 +165,9 @@ def test_cost_grows_with_context_and_is_monotone():
 def test_cost_profile_reads_through_sanity_bounds():
     # measured while the machine was busy: t(12) absurd; t(n) > n * t(1) is impossible
     c = CostModel([1, 2, 12, 16], [0.010, 0.018, 4.3, 0.050])
-    # per token, a bigger batch is never dearer: t(12) <= 6 t(2); monotone: t(16) >= t(12)
-    assert c.t(12) == pytest.approx(0.108) and c.t(16) == pytest.approx(0.108)
+    # t(12) <= 12 t(1); a 12-token step with room for 16 runs padded to 16, which costs less
+    assert c.t(12) == pytest.approx(0.120) and c.t(16) == pytest.approx(0.050)
+    assert c.table(16)[12] == pytest.approx(0.050) and c.padded(12, 16) == 16
     assert c.t(2) == pytest.approx(0.018)
     c2 = CostModel([1, 2, 4], [0.010, 0.001, 0.030])  # faster than a plain step: impossible
     assert c2.t(2) == pytest.approx(0.010)

@@ -360,3 +360,40 @@ def test_forget_outputs_empties_the_shared_ngram_pool_only():
     assert pool.n_entries == 0
     again = eng.generate(prompt, max_tokens=40, mode="ngram")  # the prompt's cells are reused
     assert again.token_ids == first.token_ids and again.stats.reused_prompt_tokens > 0
+
+
+def test_trees_run_padded_to_the_cheapest_profiled_size_and_still_equal_plain():
+    """Where 5-7 tokens cost more than 8 (matrix kernels that take rows in tiles), a tree of
+    5 tokens (drafts of depth 4, one branch) is verified with dummy rows up to 8: no step
+    decodes 5-7 tokens, some were padded, and the output and the context are what plain
+    decoding gives."""
+    from srsd_local.spec.cost import CostModel
+
+    plain = make_engine().generate(PROMPT, max_tokens=80, mode="ar")
+    costs = [0.010, 0.012, 0.013, 0.014, 0.030, 0.030, 0.030, 0.016]
+    eng = Engine(FakeBackend(step_cost=lambda n: costs[min(n, 8) - 1]),
+                 SRSDConfig(index_backend="numpy", n_ctx=512, max_nodes=7, draft_depth=4,
+                            max_branches=1))
+    sizes = list(range(1, 9))
+    cost = eng.speculator.cost = CostModel(sizes, costs)
+    for n, t in zip(sizes, costs):  # every size confirmed: no exploratory plans
+        cost.observe(n, t)
+    pads: list[int] = []
+    propose = eng.speculator.propose
+
+    def recording(*a, **k):
+        plan = propose(*a, **k)
+        if plan is not None:
+            pads.append(plan.pad)
+        return plan
+
+    eng.speculator.propose = recording
+    calls = len(eng.backend.decode_calls)
+    spec = eng.generate(PROMPT, max_tokens=80, mode="srsd")
+    assert spec.token_ids == plain.token_ids
+    steps = eng.backend.decode_calls[calls + 1:]  # after the prompt's pass
+    assert not {5, 6, 7} & set(steps) and 8 in steps, steps
+    assert any(p > 0 for p in pads), pads
+    # the dummies left nothing behind: the context holds exactly prompt + output
+    slot = eng.slots[0]
+    assert eng.backend.seqs[slot.base] == list(slot.ctx[: slot.n_past])

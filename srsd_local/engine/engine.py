@@ -56,7 +56,7 @@ from ..spec.sampling import (
     token_logprob,
 )
 from ..spec.speculator import SEED_TRIALS, Request, Speculator
-from ..spec.tree import TokenTree
+from ..spec.tree import TokenTree, TreeLayout
 from ..spec.verify import walk_tree
 from .calibrate import CALIBRATED_FIELDS, calibrate_first_use, load_calibration_file
 from .emit import Emitter, check_stop
@@ -745,9 +745,7 @@ class Engine:
                 lay = plan.tree.layout()
                 be.seq_fork(slot.base, lay.n_branches, first)
                 try:
-                    w = Work(lay.tokens, n + lay.depths,
-                             [[first + b for b in ids] for ids in lay.seq_ids],
-                             np.ones(len(lay.tokens), np.int8), req.uses_index)
+                    w = _tree_work(lay, n, first, 0 if in_graph else plan.pad, req.uses_index)
                     yield w
                     if in_graph:
                         path, y = walk_tree(plan.tree, _graph_rows(w), int)
@@ -889,6 +887,23 @@ class _Job:
                 pass
         self.error = exc
         self.done = True
+
+
+def _tree_work(lay: TreeLayout, n: int, first: int, pad: int, capture: bool) -> Work:
+    """The Work that verifies a tree laid out from position n on branch sequences
+    first.., with `pad` dummy rows after it: copies of the root on branch 0 at the positions
+    after its leaf, logits wanted (a step is cheaper with more rows where the matrix kernels
+    take them in tiles: see cost.py). No node attends to them (they come later in their
+    sequence) and committing the tree drops them with the rest of the branches."""
+    ids = [[first + b for b in ids] for ids in lay.seq_ids]
+    if not pad:
+        return Work(lay.tokens, n + lay.depths, ids, np.ones(len(lay.tokens), np.int8),
+                    capture)
+    leaf = next(node for node, b in lay.leaf_branch.items() if b == 0)
+    after = n + int(lay.depths[leaf]) + 1
+    return Work(np.concatenate([lay.tokens, np.full(pad, lay.tokens[0], np.int32)]),
+                np.concatenate([n + lay.depths, np.arange(after, after + pad, dtype=np.int32)]),
+                ids + [[first]] * pad, np.ones(len(lay.tokens) + pad, np.int8), capture)
 
 
 def _graph_rows(w: Work) -> Callable[[int], int]:

@@ -13,7 +13,9 @@ from ..config import SRSDConfig
 from ..llama.backend import Backend, device_names
 from ..spec.cost import CostModel
 
-PROFILE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+# every size up to 16 (on a CPU, sizes that are not a multiple of the matrix kernels' tile
+# cost more than the next one that is: steps are padded to the cheapest profiled size)
+PROFILE_SIZES = (*range(1, 17), 20, 24, 28, 32, 48, 64, 96, 128)
 
 
 @lru_cache(maxsize=1)
@@ -40,7 +42,7 @@ def profile_name(backend: Backend, cfg: SRSDConfig) -> tuple[str, str, list[int]
     """(file name in the cache, full key, sizes to measure) for this model and machine."""
     n_max = min(cfg.max_nodes + 1, backend.n_batch)
     sizes = [n for n in PROFILE_SIZES if n < n_max] + [n_max]
-    key = "|".join(str(v) for v in ("v3", store.file_key(backend.model_path), machine_id(),
+    key = "|".join(str(v) for v in ("v4", store.file_key(backend.model_path), machine_id(),
                                     ",".join(device_names()), cfg.threads, cfg.n_gpu_layers,
                                     backend.n_batch, sizes))
     if cfg.rpc_servers:  # a split across RPC workers costs what their network and devices do

@@ -4,8 +4,13 @@ from a profile taken at load and corrected online from real steps. Pure numpy.
 A profile measured while the machine was busy must not switch speculation off for good, so:
 
 - every measured point is kept raw and read through sanity bounds: t(1) <= t(n) <= n * t(1)
-  (one batch of n tokens never costs more than n plain steps), the cost per token never
-  grows with the batch, and t is monotone in n;
+  (one batch of n tokens never costs more than n plain steps), and an estimate never
+  confirmed by a real step is at most what a confirmed bigger batch cost;
+- t need not be monotone: on a CPU, llama.cpp's matrix kernels take output rows in tiles
+  (of 4 on x86 with AVX2), so 7 rows of logits can cost more than 8. A step of n tokens runs
+  at the profiled size m >= n that costs least (the engine pads the batch with m - n dummy
+  rows): `table` gives that cost, `padded` that size. Between and past profiled sizes, the
+  next profiled size is what a step is padded to;
 - plain steps rescale the whole profile (the machine got faster or slower since it was
   measured); bigger steps correct the points around their size; a step faster than its
   estimate replaces it at once (load on the machine only ever adds time), slower ones
@@ -51,23 +56,21 @@ class CostModel:
         self._update()
 
     def _update(self, shape_changed: bool = True) -> None:
-        """The estimates as read through the bounds: t(1) <= t(n) <= n t(1); the cost per
-        token never grows with the batch; an estimate never confirmed by a real step is at
-        most what a confirmed bigger batch cost; t is monotone in n. Scaled by how fast the
-        machine runs plain steps now."""
+        """The estimates as read through the bounds: t(1) <= t(n) <= n t(1); an estimate
+        never confirmed by a real step is at most what a confirmed bigger batch cost. Scaled
+        by how fast the machine runs plain steps now."""
         if not shape_changed:
             self._seconds = None  # scaled again when next read
             return
         t1 = self.raw[0]
         t = np.clip(self.raw, t1, t1 * self.sizes)
-        t = np.minimum.accumulate(t / self.sizes) * self.sizes
         cap = np.inf
         for k in range(len(t) - 1, -1, -1):
             if np.isfinite(self.confirmed[k]):
                 cap = min(cap, t[k])
             else:
                 t[k] = min(t[k], cap)
-        self._shape = np.maximum.accumulate(t)
+        self._shape = t
         self._t1 = float(self._shape[0])
         self._seconds = None
 
@@ -88,22 +91,46 @@ class CostModel:
         return out
 
     def t(self, n: int, ctx: int | None = None) -> float:
+        """What a step of n tokens costs, padded to the next profiled size (not beyond)."""
         return float(self.table(n, ctx)[n])
 
     def stale(self) -> np.ndarray:
         """Per profile point: not confirmed by a real step within STALE_STEPS steps."""
         return self.steps - self.confirmed > STALE_STEPS
 
-    def table(self, n_max: int, ctx: int | None = None, explore: bool = False) -> np.ndarray:
-        """t(n) for n = 0..n_max at context length ctx (index 0 unused). With `explore`, stale
-        points take an optimistic guess (never above their estimate)."""
+    def plan_table(self, n_max: int, ctx: int | None = None, explore: bool = False
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """(cost, size) for n = 0..n_max tokens at context length ctx (index 0 unused): a
+        step of n tokens runs padded to the profiled size m, n <= m <= n_max where one is,
+        that costs least (`size`), and costs what m does (`cost`, never decreasing in n).
+        Past the last profiled size: extrapolated, not padded. With `explore`, stale points
+        take an optimistic guess (never above their estimate)."""
         n = np.arange(n_max + 1)
         sec = self.seconds
         if explore:
             guess = self.seconds[0] * (1.0 + OPTIMISTIC_SLOPE * (self.sizes - 1))
-            sec = np.maximum.accumulate(np.where(self.stale(), np.minimum(sec, guess), sec))
-        extra = self.per_kv * n * max(0, (ctx if ctx is not None else self.ctx0) - self.ctx0)
-        return self._base(n, sec) + extra
+            sec = np.where(self.stale(), np.minimum(sec, guess), sec)
+        idx = np.searchsorted(self.sizes, n)
+        inside = (idx < len(self.sizes)) & (n >= 1)
+        size = np.where(inside, self.sizes[np.minimum(idx, len(self.sizes) - 1)], n)
+        size = np.where(size > n_max, n, size)  # no room to pad to the next profiled size
+        extra = self.per_kv * max(0, (ctx if ctx is not None else self.ctx0) - self.ctx0)
+        cost = self._base(size, sec) + extra * size
+        # the cheapest size from n on (ties: the smallest)
+        best = np.minimum.accumulate(cost[::-1])[::-1]
+        at = np.arange(n_max + 1)
+        for k in range(n_max - 1, 0, -1):  # plain Python over a few dozen entries
+            if cost[k] > best[k]:
+                at[k] = at[k + 1]
+        return best, size[at]
+
+    def table(self, n_max: int, ctx: int | None = None, explore: bool = False) -> np.ndarray:
+        """The cost of n = 0..n_max tokens (see `plan_table`)."""
+        return self.plan_table(n_max, ctx, explore)[0]
+
+    def padded(self, n: int, n_max: int, ctx: int | None = None, explore: bool = False) -> int:
+        """The size a step of n tokens runs at (see `plan_table`)."""
+        return int(self.plan_table(n_max, ctx, explore)[1][n])
 
     def can_explore(self, n_max: int) -> bool:
         """Whether some size up to n_max is stale (worth an exploratory plan)."""
@@ -167,7 +194,9 @@ class CostModel:
         """The most tokens c (lo <= c <= hi) that can join a pass of `base` tokens while the
         pass costs at most `factor` times what it costs without them."""
         base = max(base, 1)
-        t = self.table(base + hi, ctx)
+        n = np.arange(base + hi + 1)  # a prompt chunk is not padded: interpolated costs
+        t = self._base(n) + self.per_kv * n * max(0, (ctx if ctx is not None else self.ctx0)
+                                                  - self.ctx0)
         limit = factor * t[base]
         fits = np.flatnonzero(t[base + lo: base + hi + 1] <= limit)
         return lo + int(fits[-1]) if len(fits) else lo

@@ -20,6 +20,7 @@ class Plan:
     evidence: list[NodeEvidence | None]  # per node of `tree`
     expected_accepted: float
     raw_probs: list[float] = field(default_factory=list)  # before the depth calibration
+    pad: int = 0  # dummy rows to decode with the tree: the step is cheaper padded (cost.py)
 
 
 def _sibling_normalised(tree: TokenTree, q: Sequence[float]) -> list[float]:

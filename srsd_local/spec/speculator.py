@@ -152,9 +152,15 @@ class Speculator:
         if explore:  # an unconfirmed cost estimate must not rule big trees out for good
             self._explored_at = self.cost.steps
             self._explore_left = max(0, self._explore_left - 1)
-        cost = self.cost.table(n_max + offset, ctx, explore=explore)[offset:]
+        # steps may be padded up to the room's size (dummy rows), not only the tree's
+        cost, size = self.cost.plan_table(room + 1 + offset, ctx, explore=explore)
         dc = self.depth_calibration.setdefault((req.mode, req.greedy), DepthCalibration())
-        return choose(tree, q, cost, self.config.max_branches, q_mean, dc.scale(), ev, gain)
+        plan = choose(tree, q, cost[offset: offset + n_max + 1], self.config.max_branches,
+                      q_mean, dc.scale(), ev, gain)
+        if plan.tree.n_draft:
+            total = len(plan.tree) + offset
+            plan.pad = int(size[total]) - total
+        return plan
 
     def observe(self, req: Request, plan: Plan | None, path: list[int]) -> None:
         """Learn from one step: `plan` was verified (None: a plain step), `path` are the
