@@ -745,7 +745,7 @@ class Engine:
                 lay = plan.tree.layout()
                 be.seq_fork(slot.base, lay.n_branches, first)
                 try:
-                    w = _tree_work(lay, n, first, 0 if in_graph else plan.pad, req.uses_index)
+                    w = _tree_work(lay, n, first, plan.pad, req.uses_index)
                     yield w
                     if in_graph:
                         path, y = walk_tree(plan.tree, _graph_rows(w), int)
