@@ -5,8 +5,9 @@ their argmax in numpy.
     python scripts/logits_cost.py [--n-gpu-layers -1] [--threads N] [--reps 15]
 
 Prints two markdown tables:
-1. decode time of n tokens with logits for every token vs for the last one only (the
-   difference is the output layer and the logits copy of the other rows);
+1. decode time of n = 1..16 tokens with logits for every token vs for the last one only
+   (the difference is the output layer and the logits copy of the other rows; every n, since
+   matrix kernels that take rows in tiles make some sizes dearer than the next);
 2. a 16-node tree of 4 branches, verified (a) as the engine does today: logits of every node
    copied to the host, argmax in numpy, and (b) with a greedy backend sampler attached to
    the branches' sequences (the engine's `sample_in_graph`), so llama.cpp takes the argmax
@@ -46,7 +47,7 @@ def best(fn, reps: int) -> float:
 def output_share(be: Backend, toks: list[int], reps: int) -> None:
     print("| tokens | ms, logits for all | ms, logits for the last | all / last |")
     print("|---|---|---|---|")
-    for n in (1, 2, 3, 4, 8, 16):
+    for n in range(1, 17):
         row = {}
         for flags in ("all", "last"):
             def run(flags=flags, n=n):
