@@ -216,3 +216,28 @@ def test_a_chain_cut_at_the_draft_depth_goes_on_where_the_model_followed_it():
     assert bytes(toks.tolist()) == b'ten(text, wi'
     # the model went elsewhere: nothing from the chain
     assert drafter.propose(byte_input(ctx + b"rten(x", ord(","))) == []
+
+
+def test_a_paragraph_the_examples_copied_whole_is_copied_whole_across_its_line_breaks():
+    # the examples' summaries are their docstrings' first paragraphs (one line each, a
+    # blank line after); the current one runs over two lines: copied up to its blank line,
+    # its line break written as a space, then what the examples wrote after theirs
+    def para(name: str, args: str, doc: str, rest: str, summary: str) -> bytes:
+        return (f'Function:\ndef {name}({args}):\n    """{doc}\n\n    {rest}\n    """\n\n'
+                f'JSON: {{"name": "{name}", "summary": "{summary}"}}\n\n').encode()
+
+    two = HEAD + para("indent", "text", "Adds a prefix to lines.", "More.",
+                      "Adds a prefix to lines.") + \
+        para("is_zipfile", "f", "Quickly see if a file is a ZIP file.", "Other.",
+             "Quickly see if a file is a ZIP file.")
+    current = (b'Function:\ndef which(cmd):\n    """Given a command, return the path which\n'
+               b'    conforms to the given mode.\n\n    Rest.\n    """\n\nJSON: ')
+    found = find_analogy(two + current + b'{"name": "which", "summary": "')
+    assert found is not None and found.confirmed and not found.verbatim
+    assert found.copy == b"Given a command, return the path which conforms to the given mode."
+    assert found.literal.startswith(b'"}')
+    # tokenized as written, not in the source's tokens (which hold the line break)
+    drafter = AnalogyDrafter(SRSDConfig(draft_depth=200))
+    [(toks, _, _)] = drafter.propose(byte_input(two + current + b'{"name": "which", "summary": ',
+                                                ord('"')))
+    assert bytes(toks.tolist()).startswith(b"Given a command, return the path which conforms")

@@ -17,6 +17,7 @@ Pure Python (bytes.rfind, about 10-25 us a search on a 2k-byte prompt).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,9 @@ MIN_COPY = 4  # bytes of the example's value traced to an earlier source
 MIN_ANCHOR = 4  # bytes before that source that must recur in the current item
 MAX_ANCHOR = 48
 SPAN = 96  # bytes of a value looked at
+PARAGRAPH = 480  # bytes of a paragraph copied at most (where the example copied one whole)
+PARAGRAPH_END = re.compile(rb"\n[ \t]*(?:\n|\"\"\"|\'\'\')")  # a blank line, a docstring's end
+LINE_BREAK = re.compile(rb"[ \t]*\n[ \t]*")
 LITERAL = 24  # bytes of what the example wrote after its copy (at most)
 NEXT_COPY = 6  # bytes from the example's own item that mark where its next copy begins
 BYTES_PER_TOKEN = 4  # draft text chained per draft token (about)
@@ -45,17 +49,19 @@ class Analogy:
     anchor: int  # bytes before that source found again in the current item
     confirmed: bool = False  # another example maps to the same place
     more: bool = False  # the example went on to copy more right after `literal`
+    verbatim: bool = True  # `copy` is the text at `at` as is (not a re-wrapped paragraph)
 
     @property
     def text(self) -> bytes:
         return self.copy + self.literal
 
 
-def _counterpart(text: bytes, q: int, after: int) -> tuple[int, int, int, int, int] | None:
+def _counterpart(text: bytes, q: int, after: int) -> tuple[int, bytes, int, int, int] | None:
     """For an example whose continuation starts at q: (where the current item's counterpart
-    of its copied value starts, the byte that ended the copy in the example's source, bytes
-    of the value found in that source, bytes of the anchor, where the anchor starts in the
-    example), or None. The counterpart is looked for after byte `after`."""
+    of its copied value starts, the byte that ended the copy in the example's source (two
+    line ends where the copy ended a paragraph), bytes of the value found in that source,
+    bytes of the anchor, where the anchor starts in the example), or None. The counterpart is
+    looked for after byte `after`."""
     value = text[q: q + SPAN]
     m, s = longest_found(lambda k: text.rfind(value[:k], 0, q), MIN_COPY, len(value))
     if not m:
@@ -64,7 +70,8 @@ def _counterpart(text: bytes, q: int, after: int) -> tuple[int, int, int, int, i
                      min(MAX_ANCHOR, s))
     if not a or at + a >= len(text):
         return None
-    return at + a, text[s + m], m, a, s - a
+    stop = b"\n\n" if PARAGRAPH_END.match(text, s + m) else text[s + m: s + m + 1]
+    return at + a, stop, m, a, s - a
 
 
 def _literal(text: bytes, value: bytes, m: int, item: int, q: int) -> tuple[bytes, bool]:
@@ -99,9 +106,18 @@ def find_analogy(text: bytes) -> Analogy | None:
     if found is None:
         return None
     start, stop, m, a, item = found
-    cur = text[start: start + SPAN]
-    end = cur.find(stop)
-    copy = cur if end < 0 else cur[:end]
+    verbatim = True
+    if stop == b"\n\n":  # the example copied a paragraph: so does the current item, each
+        # line break written as a space (a JSON string has no raw line ends)
+        cur = text[start: start + PARAGRAPH]
+        para = PARAGRAPH_END.search(cur)
+        end = -1 if para is None else para.start()
+        copy = cur[:SPAN] if end < 0 else LINE_BREAK.sub(b" ", cur[:end])
+        verbatim = end < 0 or len(copy) == end
+    else:
+        cur = text[start: start + SPAN]
+        end = cur.find(stop)
+        copy = cur if end < 0 else cur[:end]
     value = text[q: q + SPAN]
     if not copy or copy == value[:len(copy)]:
         return None  # nothing to copy, or the example's own value (a plain lookup has it)
@@ -111,8 +127,9 @@ def find_analogy(text: bytes) -> Analogy | None:
         if seen is not None and seen[0] == start:
             confirmed = True
             break
-    literal, more = _literal(text, value, m, item, q)
-    return Analogy(copy, start, literal, m, a, confirmed, more)
+    # what the example wrote after its copy follows only where the copy's end was found
+    literal, more = _literal(text, value, m, item, q) if end >= 0 else (b"", False)
+    return Analogy(copy, start, literal, m, a, confirmed, more, verbatim)
 
 
 class AnalogyDrafter(Drafter):
@@ -234,7 +251,8 @@ def _tokens(draft: bytes, head: bytes, found: Analogy, cut: bool, inp: DraftInpu
     may be a fragment)."""
     assert inp.tokenize is not None
     rest = draft[len(found.copy):]
-    spelt = source_tokens(inp, found.at, found.at + len(found.copy))
+    spelt = source_tokens(inp, found.at, found.at + len(found.copy)) if found.verbatim \
+        else None
     toks = list(inp.tokenize(draft)) if spelt is None else \
         spelt + (list(inp.tokenize(rest)) if rest else [])
     if head:
