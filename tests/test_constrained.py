@@ -85,26 +85,34 @@ def test_a_forced_literal_is_drafted_and_accepted(seeded):
     assert rep.ok, rep.summary()
 
 
-def test_values_an_example_copied_are_drafted_by_analogy_and_accepted(seeded, monkeypatch):
-    """After two worked examples, the current function's name, signature and summary are
-    drafted by analogy (and after the keys the grammar forces); long runs of them are
-    accepted, and the output is still plain constrained decoding's."""
+def _accepted_runs(engine, monkeypatch, bit: int) -> list[int]:
+    """Per verified tree, how many accepted nodes the source with origin `bit` proposed
+    (filled as the engine generates), under a cost model where verification is nearly free,
+    whatever step costs earlier tests left in the shared engine's: the trees verified are
+    the drafts themselves, not the planner's cut of them."""
     from srsd_local.spec.cost import CostModel
-    from srsd_local.spec.draft import ANALOGY
 
-    engine, p = seeded, load_workload("json")[1]  # shutil.copyfile
-    # verification nearly free, whatever step costs earlier tests left the cost model with:
-    # the trees verified are the drafts themselves, not the planner's cut of them
     monkeypatch.setattr(engine.speculator, "cost", CostModel([1, 2, 64], [0.010, 0.0102, 0.011]))
     runs: list[int] = []
     observe = engine.speculator.observe
 
     def counting(req, plan, path):
         if plan is not None:
-            runs.append(sum(1 for i in path[1:] if plan.tree.origin[i] & ANALOGY))
+            runs.append(sum(1 for i in path[1:] if plan.tree.origin[i] & bit))
         return observe(req, plan, path)
 
     monkeypatch.setattr(engine.speculator, "observe", counting)
+    return runs
+
+
+def test_values_an_example_copied_are_drafted_by_analogy_and_accepted(seeded, monkeypatch):
+    """After two worked examples, the current function's name, signature and summary are
+    drafted by analogy (and after the keys the grammar forces); long runs of them are
+    accepted, and the output is still plain constrained decoding's."""
+    from srsd_local.spec.draft import ANALOGY
+
+    engine, p = seeded, load_workload("json")[1]  # shutil.copyfile
+    runs = _accepted_runs(engine, monkeypatch, ANALOGY)
     out = engine.generate(p.prompt, max_tokens=p.max_tokens, mode="srsd",
                           json_schema=p.json_schema)
     assert json.loads(out.text)["name"] == "copyfile"
@@ -118,20 +126,10 @@ def test_a_parameter_list_is_drafted_name_by_name_and_accepted(seeded, monkeypat
     (`path, ignore_errors=False, ...` as `"path", "ignore_errors", ...`): once the first name
     and its separator are written, the rest of the list is drafted from the signature and
     accepted in one run; the output is still plain constrained decoding's."""
-    from srsd_local.spec.cost import CostModel
     from srsd_local.spec.draft import LIST
 
     engine, p = seeded, load_workload("json")[7]  # shutil.rmtree
-    monkeypatch.setattr(engine.speculator, "cost", CostModel([1, 2, 64], [0.010, 0.0102, 0.011]))
-    runs: list[int] = []
-    observe = engine.speculator.observe
-
-    def counting(req, plan, path):
-        if plan is not None:
-            runs.append(sum(1 for i in path[1:] if plan.tree.origin[i] & LIST))
-        return observe(req, plan, path)
-
-    monkeypatch.setattr(engine.speculator, "observe", counting)
+    runs = _accepted_runs(engine, monkeypatch, LIST)
     out = engine.generate(p.prompt, max_tokens=p.max_tokens, mode="srsd",
                           json_schema=p.json_schema)
     params = json.loads(out.text)["parameters"]

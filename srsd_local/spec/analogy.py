@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import numpy as np
 
@@ -180,18 +181,17 @@ class AnalogyDrafter(Drafter):
 
     def _chained(self, base: bytes, draft: bytes, link: Analogy | None) -> tuple[bytes, bool]:
         """`draft` (the text after `base` drafted so far) extended by `link` and the analogies
-        that follow it, up to about draft_depth tokens; (the draft, whether its end may cut a
-        token: it does not where the example went on to copy next)."""
+        that follow it, while they are usable, up to about draft_depth tokens; (the draft,
+        whether its end may cut a token: it does not where the example went on to copy
+        next)."""
         limit = BYTES_PER_TOKEN * self.config.draft_depth
-        while link is not None:
+        while _usable(link):  # else the draft ends with a literal the example went on from
             draft += link.text
             if not link.more:
                 return draft, True
             if len(draft) >= limit:
                 return draft, False
             link = find_analogy(base + draft)
-            if not _usable(link):
-                link = None  # the draft ends with a literal the example went on from
         return draft, True
 
     def _proposal(self, toks: list[int], fixed: int, found: Analogy) -> list[Proposal]:
@@ -226,8 +226,7 @@ class AnalogyDrafter(Drafter):
             return None
         if not cut and len(draft) - len(done) < BYTES_PER_TOKEN * self.config.draft_depth:
             # the chain stopped at its length limit where the example went on: go on
-            link = find_analogy(base + draft)
-            draft, cut = self._chained(base, draft, link if _usable(link) else None)
+            draft, cut = self._chained(base, draft, find_analogy(base + draft))
             self._chain = (base, draft, found, cut)
         assert inp.tokenize is not None
         # the tokens of the rest begin where `done` ends (the root's or a forced token's end)
@@ -235,7 +234,7 @@ class AnalogyDrafter(Drafter):
         return self._proposal(prefix + (toks[:-1] if cut else toks), len(prefix), found)
 
 
-def _usable(found: Analogy | None) -> bool:
+def _usable(found: Analogy | None) -> TypeGuard[Analogy]:
     """Only analogies two examples agree on are drafted (one example alone was too often a
     coincidence)."""
     return found is not None and found.confirmed

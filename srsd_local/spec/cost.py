@@ -90,6 +90,11 @@ class CostModel:
             out = np.where(n > s1, sec[-1] + slope * (n - s1), out)
         return out
 
+    def _per_token(self, ctx: int | None) -> float:
+        """Seconds each decoded token adds at context length ctx over the profile's (its
+        attention over the longer context)."""
+        return self.per_kv * max(0, (ctx if ctx is not None else self.ctx0) - self.ctx0)
+
     def t(self, n: int, ctx: int | None = None) -> float:
         """What a step of n tokens costs, padded to the next profiled size (not beyond)."""
         return float(self.table(n, ctx)[n])
@@ -114,8 +119,7 @@ class CostModel:
         inside = (idx < len(self.sizes)) & (n >= 1)
         size = np.where(inside, self.sizes[np.minimum(idx, len(self.sizes) - 1)], n)
         size = np.where(size > n_max, n, size)  # no room to pad to the next profiled size
-        extra = self.per_kv * max(0, (ctx if ctx is not None else self.ctx0) - self.ctx0)
-        cost = self._base(size, sec) + extra * size
+        cost = self._base(size, sec) + self._per_token(ctx) * size
         # the cheapest size from n on (ties: the smallest)
         best = np.minimum.accumulate(cost[::-1])[::-1]
         at = np.arange(n_max + 1)
@@ -195,8 +199,7 @@ class CostModel:
         pass costs at most `factor` times what it costs without them."""
         base = max(base, 1)
         n = np.arange(base + hi + 1)  # a prompt chunk is not padded: interpolated costs
-        t = self._base(n) + self.per_kv * n * max(0, (ctx if ctx is not None else self.ctx0)
-                                                  - self.ctx0)
+        t = self._base(n) + self._per_token(ctx) * n
         limit = factor * t[base]
         fits = np.flatnonzero(t[base + lo: base + hi + 1] <= limit)
         return lo + int(fits[-1]) if len(fits) else lo

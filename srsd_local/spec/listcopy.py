@@ -132,6 +132,9 @@ def find_list_next(text: bytes) -> list[Piece] | None:
         return None
     name, sep, start = tail
     here = len(text) - len(start) - len(sep) - len(name)
+    full = (sep, here + len(name)) if start else _completed(text, sep, here)
+    if b"," not in full[0]:
+        return None  # not a list the output writes (`a + b` after `f(a, b)`)
     at, tries, looked = here, 0, 0
     while tries < TRIES and looked < 8 * TRIES:
         at = text.rfind(name, 0, at)
@@ -151,9 +154,6 @@ def find_list_next(text: bytes) -> list[Piece] | None:
             break
     else:
         return None
-    full = (sep, here + len(name)) if start else _completed(text, sep, here)
-    if b"," not in full[0]:
-        return None  # not a list the output writes (`a + b` after `f(a, b)`)
     first, pos = names[0]
     out = [(first[len(start):], pos + len(start))] if start else \
         [(full[0][len(sep):], full[1] + len(sep)), (first, pos)]

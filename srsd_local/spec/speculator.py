@@ -29,7 +29,6 @@ from .tree import TokenTree
 RECENT_RATE = 0.3  # EMA weight of the last verified tree's outcome
 RECENT_DRIFT = 0.05  # per plain step, towards neutral, so drafting gets retried
 MAX_SKIP = 8  # steps without drafting after plans kept being declined
-BACK_OFF_EMPTY = True  # drafts that found nothing count as declined plans for the back-off
 EXPLORE_GAP = 50  # steps between plans that try a stale cost estimate optimistically
 EXPLORE_AFTER_SURPRISE = 4  # plans that do so after a step far faster than its estimate
 SEED_TRIALS = 10  # calibration seeds count at most this many outcomes per kind of node
@@ -110,7 +109,7 @@ class Speculator:
             return None
         tree = drafter.draft(inp, max_nodes=room)
         if not tree.n_draft:
-            if BACK_OFF_EMPTY and drafter.config.adaptive:
+            if drafter.config.adaptive:  # found nothing: back off as if declined
                 self._back_off(req, False)
             return None
         if not drafter.config.adaptive:
