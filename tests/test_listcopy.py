@@ -6,7 +6,7 @@ import numpy as np
 from srsd_local.config import SRSDConfig
 from srsd_local.spec.draft import LIST, DraftInput, acceptance_source
 from srsd_local.spec.drafters import make_drafter
-from srsd_local.spec.listcopy import ListCopyDrafter, draft_text, find_list_next
+from srsd_local.spec.listcopy import ListCopyDrafter, draft_text, find_list_next, find_list_start
 
 
 def after(text: bytes) -> bytes | None:
@@ -96,3 +96,66 @@ def test_separators_are_drafted_as_the_output_spelt_them():
                      tokenize=tokenize, piece=piece, ends=ends)
     [(toks, _, _)] = ListCopyDrafter(SRSDConfig(draft_depth=16)).propose(inp)
     assert toks.tolist() == [301, ord("b"), ord("b"), 300, 301, ord("c"), ord("c")]
+
+
+EXAMPLES = (b'def indent(text, prefix, predicate=None):\n    """Add a prefix."""\n\n'
+            b'JSON: {"name": "indent", "signature": "indent(text, prefix, predicate=None)", '
+            b'"parameters": ["text", "prefix", "predicate"]}\n\n'
+            b'def is_zipfile(filename):\n    """Check (quickly) a zip file."""\n\n'
+            b'JSON: {"name": "is_zipfile", "signature": "is_zipfile(filename)", '
+            b'"parameters": ["filename"]}\n\n'
+            b'def rmtree(path, ignore_errors=False, *, dir_fd=None):\n    """Delete."""\n\n'
+            b'JSON: {"name": "rmtree", "signature": "rmtree(path, ignore_errors=False, *, '
+            b'dir_fd=None)", "parameters": ["')
+
+
+def start(text: bytes) -> bytes | None:
+    pieces = find_list_start(text)
+    return None if pieces is None else draft_text(pieces)
+
+
+def test_a_list_opened_as_earlier_outputs_opened_theirs_copies_the_list_before_it():
+    # both examples followed `"parameters": ["` with the names of the list just before it
+    # (the signature): so does the current item, in their separator, closed as they closed
+    assert start(EXAMPLES) == b'path", "ignore_errors", "dir_fd"]}'
+    # the first name begun, or complete
+    assert start(EXAMPLES + b'pa') == b'th", "ignore_errors", "dir_fd"]}'
+    assert start(EXAMPLES + b'path') == b'", "ignore_errors", "dir_fd"]}'
+    # a first name the list does not begin with: nothing
+    assert start(EXAMPLES + b'x') is None
+    # the prose in brackets of the docstring ("(quickly) a zip file") is passed over
+
+
+def test_no_list_start_where_an_example_did_not_copy_the_list_before_it():
+    other = EXAMPLES.replace(b'"parameters": ["filename"]', b'"parameters": ["fname"]')
+    assert start(other) is None
+    # no earlier output opened a list this way
+    assert start(b'def f(a, b):\n    pass\n\nJSON: {"parameters": ["') is None
+    # an opening without a bracket is no list
+    assert start(EXAMPLES + b'path", "') is None
+
+
+def test_a_list_drafted_to_its_end_is_closed_as_the_output_closed_its_earlier_lists():
+    # mid-list: the next names, then the closing the examples wrote after their last name
+    assert after(EXAMPLES + b'path", "') == b'ignore_errors", "dir_fd"]}'
+    # after the last name: only the closing
+    assert after(EXAMPLES + b'path", "ignore_errors", "dir_fd') == b'"]}'
+
+
+def test_a_list_start_survives_a_tree_full_of_the_examples_values():
+    # text lookup drafts what followed `"parameters": ["` in the examples (heavier than a
+    # structural guess); the list's start must still be in a small tree
+    text = EXAMPLES
+    tokens = np.frombuffer(text[:-1], dtype=np.uint8).astype(np.int32)
+    ends = list(range(1, len(text)))
+    inp = DraftInput(tokens, text[-1], None, None, text=text,
+                     tokenize=lambda b: list(bytes(b)), piece=lambda t: bytes([t]), ends=ends)
+    cfg = SRSDConfig(draft_depth=16, max_nodes=8)
+    tree = make_drafter("srsd", cfg).draft(inp, max_nodes=8)
+    branch, node = b"", 0
+    while node is not None:  # the heaviest path from the root
+        kids = tree.children(node)
+        node = max(kids, key=lambda c: tree.weights[c]) if kids else None
+        branch += b"" if node is None else bytes([tree.tokens[node]])
+    assert branch.startswith(b'path"')
+    assert any(o & LIST for o in tree.origin)

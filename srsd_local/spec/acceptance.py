@@ -61,7 +61,7 @@ class AcceptanceModel:
     # whitespace guess can miss (the counts correct it)
     analogy_prior: float = 0.8  # analogy drafts two examples agree on: 0.94 of their nodes
     # were accepted in the calibration set's fixed trees
-    list_prior: float = 0.7  # lists continued name by name: 11 of 12 nodes in those trees
+    list_prior: float = 0.9  # lists continued name by name: 11 of 12 nodes in those trees
     # (too few to seed the deeper nodes of a list, which the generic prior would cut)
 
     def _post(self, ev: NodeEvidence, source: str, greedy: bool) -> tuple[float, float]:
