@@ -15,7 +15,9 @@ from srsd_local.engine.calibrate import calibrate
 from srsd_local.engine.profile import load_cost_model, machine_id
 from srsd_local.spec.acceptance import AcceptanceModel, NodeEvidence, evidence
 from srsd_local.spec.cost import CostModel
+from srsd_local.spec.draft import Drafter, DraftInput
 from srsd_local.spec.planner import choose
+from srsd_local.spec.speculator import Speculator
 from srsd_local.spec.tree import TokenTree
 
 
@@ -389,3 +391,73 @@ def test_prompt_chunk_size_keeps_the_pass_within_a_factor_of_its_cost():
     gpu = CostModel([1, 2, 64], [0.010, 0.0101, 0.011])  # a batch is nearly free
     assert gpu.largest_within(8, 2.0, 16, 512) == 512
     assert cpu.largest_within(8, 2.0, 1, 100) < gpu.largest_within(8, 2.0, 1, 100)
+
+
+class _FixedDrafter(Drafter):
+    """Drafts the same paths at every step."""
+
+    def __init__(self, config: SRSDConfig, paths: list[list[int]]) -> None:
+        super().__init__(config)
+        self.paths = paths
+
+    def propose(self, inp: DraftInput) -> list:
+        return [(np.asarray(p, dtype=np.int32), 1.0, 2) for p in self.paths]
+
+
+def _outcomes(model: AcceptanceModel) -> tuple[float, float]:
+    """(accepted, tried) summed over the coarse keys."""
+    got = [v for k, v in model.counts.items() if len(k) == 4]
+    return sum(a for a, _ in got), sum(n for _, n in got)
+
+
+def _fixed_speculator(cost: CostModel) -> tuple[Speculator, np.ndarray]:
+    for n, seconds in zip(cost.sizes[1:], cost.seconds[1:]):  # confirmed: no exploration
+        cost.observe(int(n), float(seconds))
+    cfg = SRSDConfig()
+    spec = Speculator(cfg, cost=cost)
+    spec.drafters["srsd"] = _FixedDrafter(cfg, [[5, 6, 7], [8]])
+    return spec, np.arange(10, 20, dtype=np.int32)
+
+
+def test_nodes_of_a_declined_tree_are_learned_once_the_emitted_tokens_tell_their_outcome():
+    def dear() -> CostModel:  # no tree pays: every plan is declined
+        return CostModel([1, 2, 64], [0.010, 0.5, 5.0])
+
+    spec, ctx = _fixed_speculator(dear())
+    req = spec.begin("srsd", greedy=True)
+    assert spec.propose(req, DraftInput(ctx, 4, None, None), room=8) is None
+    assert _outcomes(spec.acceptance) == (0, 0)
+    # the model emitted 4 (the root), 5, 6 and then 9: 5 and 6 would have been accepted,
+    # 7 and 8 rejected
+    req.skip = 0
+    emitted = np.concatenate([ctx, [4, 5, 6]]).astype(np.int32)
+    spec.propose(req, DraftInput(emitted, 9, None, None), room=8)
+    assert _outcomes(spec.acceptance) == (2, 4)
+    # where no token after the last followed node is known, its children are left out
+    spec, ctx = _fixed_speculator(dear())
+    req = spec.begin("srsd", greedy=True)
+    spec.propose(req, DraftInput(ctx, 4, None, None), room=8)
+    req.skip = 0
+    spec.propose(req, DraftInput(np.append(ctx, 4).astype(np.int32), 5, None, None), room=8)
+    assert _outcomes(spec.acceptance) == (1, 2)  # 5 accepted, 8 rejected, 6 unknown
+    # sampled decoding accepts by chance: nothing is learned that way
+    spec, ctx = _fixed_speculator(dear())
+    req = spec.begin("srsd", greedy=False)
+    spec.propose(req, DraftInput(ctx, 4, None, None), room=8)
+    req.skip = 0
+    spec.propose(req, DraftInput(emitted, 9, None, None), room=8)
+    assert _outcomes(spec.acceptance) == (0, 0)
+
+
+def test_verified_nodes_are_learned_once_and_the_rest_of_the_candidate_after():
+    cheap = CostModel([1, 2, 64], [0.010, 0.0102, 0.011])
+    spec, ctx = _fixed_speculator(cheap)
+    spec.config = spec.config.with_(max_branches=1)  # the plan keeps one branch: 5 6 7
+    req = spec.begin("srsd", greedy=True)
+    plan = spec.propose(req, DraftInput(ctx, 4, None, None), room=8)
+    assert plan is not None and plan.tree.tokens == [4, 5, 6, 7]
+    spec.observe(req, plan, [0, 1, 2])  # 5 and 6 accepted, 7 rejected (9 came)
+    assert _outcomes(spec.acceptance) == (2, 3)
+    emitted = np.concatenate([ctx, [4, 5, 6]]).astype(np.int32)
+    spec.propose(req, DraftInput(emitted, 9, None, None), room=8)
+    assert _outcomes(spec.acceptance) == (2, 4)  # only 8, left out of the plan, is added

@@ -21,6 +21,9 @@ class Plan:
     expected_accepted: float
     raw_probs: list[float] = field(default_factory=list)  # before the depth calibration
     pad: int = 0  # dummy rows to decode with the tree: the step is cheaper padded (cost.py)
+    source: list[int] = field(default_factory=list)  # per node: its index in the candidate
+    # the evidence of every node of the tree the plan was chosen from (speculator.py)
+    candidate_evidence: list[NodeEvidence | None] | None = None
 
 
 def _sibling_normalised(tree: TokenTree, q: Sequence[float]) -> list[float]:
@@ -114,5 +117,6 @@ def choose(tree: TokenTree, q: Sequence[float], cost: np.ndarray, max_branches: 
         raw.append(p_raw[node])
     ev_all = evidence(tree) if ev is None else ev
     old_of = {v: k for k, v in new_of.items()}
-    return Plan(out, probs, [ev_all[old_of[i]] for i in range(len(out))],
-                float(sum(probs) - 1.0), raw)
+    source = [old_of[i] for i in range(len(out))]
+    return Plan(out, probs, [ev_all[i] for i in source], float(sum(probs) - 1.0), raw,
+                source=source)

@@ -9,6 +9,12 @@ Lifecycle (one Speculator per engine, one `Request` per generation):
 - `observe(req, plan, path, seconds, ctx)` learns from the outcome: acceptance counts,
   per-depth calibration, the step's cost, and the request's back-off state.
 
+Under greedy decoding a drafted node is accepted exactly when its token is the one the model
+emits after its parent, so the nodes the controller did not verify (a declined tree, the part
+of a candidate tree a plan left out) are learned too, once the tokens emitted after them are
+known (at the request's next drafting): a controller that learned only from what it verified
+would never correct an estimate too low to be verified.
+
 State shared by all generations (acceptance and cost models, depth calibration) lives on the
 Speculator; state of one generation (recent acceptance, back-off) lives on its `Request`, so
 several generations can run side by side. Pure numpy: no llama.cpp here.
@@ -45,6 +51,10 @@ class Request:
     recent: float = 0.5  # EMA: did the last verified trees get a token accepted?
     declined: int = 0  # plans in a row the controller declined
     skip: int = 0  # steps not to draft
+    # greedy only: the last candidate tree, to learn the outcomes of its nodes that were not
+    # verified once the tokens after them are known: (context length at its root, the tree,
+    # its evidence, the nodes learned already)
+    unverified: tuple[int, TokenTree, list, set[int]] | None = None
 
     @property
     def uses_index(self) -> bool:
@@ -105,6 +115,8 @@ class Speculator:
         drafter = self.drafters[req.mode]
         if drafter is None or room <= 0:
             return None
+        if req.unverified is not None:
+            self._settle(req, inp)
         if not len(inp.forced) and self.skips(req):
             return None
         tree = drafter.draft(inp, max_nodes=room)
@@ -116,7 +128,38 @@ class Speculator:
             return unplanned(tree, req.recent)
         plan = self._plan(tree, req, room, inp.tokens.shape[0], offset, gain)
         self._back_off(req, bool(plan.tree.n_draft))
+        if req.greedy and plan.candidate_evidence is not None:
+            req.unverified = (inp.tokens.shape[0], tree, plan.candidate_evidence,
+                              set(plan.source) if plan.tree.n_draft else set())
         return plan if plan.tree.n_draft else None
+
+    def _settle(self, req: Request, inp: DraftInput) -> None:
+        """Learn the outcomes of the last candidate tree's nodes that were not verified, as
+        far as the tokens emitted since its root (the context, then `inp.root`) tell them:
+        a node whose parent the emitted tokens follow was accepted if they go on with its
+        token, rejected otherwise; the children of the last node they follow are left out
+        where no token after it is known yet."""
+        assert req.unverified is not None
+        n0, tree, ev, done = req.unverified
+        req.unverified = None
+        toks = inp.tokens
+        if toks.shape[0] <= n0 or int(toks[n0]) != tree.tokens[0]:
+            return  # the context is not the one the tree was drafted on
+        emitted = toks[n0 + 1:].tolist()
+        emitted.append(int(inp.root))
+        on_path, node, open_end = {0}, 0, True
+        for t in emitted:
+            nxt = tree.child(node, t)
+            if nxt is None:
+                open_end = False
+                break
+            node = nxt
+            on_path.add(node)
+        parents, learn = tree.parents, self.acceptance.update
+        for i in range(1, len(tree)):
+            par = parents[i]
+            if par in on_path and i not in done and not (open_end and par == node):
+                learn(ev[i], req.mode, True, i in on_path)
 
     @staticmethod
     def _back_off(req: Request, verified: bool) -> None:
@@ -159,6 +202,7 @@ class Speculator:
         if plan.tree.n_draft:
             total = len(plan.tree) + offset
             plan.pad = int(size[total]) - total
+        plan.candidate_evidence = ev
         return plan
 
     def observe(self, req: Request, plan: Plan | None, path: list[int]) -> None:
