@@ -166,3 +166,25 @@ def test_a_copy_in_progress_reuses_the_last_tokenization_from_a_token_boundary()
     assert cache.tokens(10, text[10:20], True, 6, tokenize, lambda t: bytes([t])) == \
         list(text[10:20])
     assert len(calls) == 3
+
+
+def test_a_copy_from_a_token_boundary_outside_a_word_is_drafted_in_the_sources_tokens():
+    pieces = {300: b"bar", 301: b", baz"}
+
+    def piece(t: int) -> bytes:
+        return pieces.get(t, bytes([t]) if t < 256 else b"")
+
+    def tokenize(b: bytes) -> list[int]:
+        raise AssertionError(f"tokenizer called for {b!r}")
+
+    ctx = list(b"call(") + [300, 301] + list(b")\ncall")
+    text, ends = b"", []
+    for t in ctx:
+        text += piece(t)
+        ends.append(len(text))
+    inp = DraftInput(np.asarray(ctx, dtype=np.int32), ord("("), None, None,
+                     text=text + b"(", tokenize=tokenize, piece=piece, ends=ends)
+    drafts = [p[0].tolist() for p in TextLookupDrafter(SRSDConfig(draft_depth=6)).propose(inp)]
+    # `call(` repeats; what followed it began with the source's token `bar`: its tokens, up
+    # to the context's end, without a tokenizer call
+    assert drafts[0] == [300, 301, ord(")"), ord("\n"), ord("c"), ord("a")]

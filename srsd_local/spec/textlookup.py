@@ -18,7 +18,7 @@ writes. Pure Python (bytes.rfind).
 from __future__ import annotations
 
 import re
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -36,6 +36,7 @@ BYTES_PER_TOKEN = 4  # continuation text taken per draft token (about)
 SPELL = 2  # leading tokens compared: the source's spelling is drafted too where they differ
 MEMO_SIZE = 4096  # tokenizations of cut source pieces kept (pieces recur)
 _SPACES = re.compile(rb"\s+")
+_WORD = re.compile(rb"\w\w")  # two word characters: a place inside a word
 
 
 def flat_piece(piece: bytes, after_space: bool) -> bytes:
@@ -197,12 +198,26 @@ class TextLookupDrafter(Drafter):
         if cont[:8] in seen or inp.tokenize is None:
             return
         seen.add(cont[:8])
+        weight, agree = min(1.0, size / 32), min(_MAX_AGREE, max(1, size // BYTES_PER_TOKEN))
+        ends = inp.ends
+        if cache is self._cache and len(ends) and start < ends[-1] and \
+                (start == 0 or ends[bisect_left(ends, start)] == start) and \
+                not (start and _WORD.match(text, start - 1, start + 1)):
+            # the copy begins where a token of the source began, outside a word: the
+            # source's own tokens are the draft (afresh, the tokenizer gives the same ones,
+            # words being tokenized one by one, and a tokenizer call right after a forward
+            # pass costs more than the rest of the lookup); inside a word (` n|smallest`)
+            # the tokenizer may split the word's rest otherwise (`s|mall|est`): both below
+            end = ends[bisect_right(ends, min(start + span, ends[-1])) - 1]  # a token's end
+            spelt = source_tokens(inp, start, end, self._memo) if end > start else None
+            if spelt:
+                out.append((np.asarray(spelt[:depth], dtype=np.int32), weight, agree))
+                return
         toks = cache.tokens(start, cont, start + span >= len(text), depth // 2, inp.tokenize,
                             inp.piece)
-        weight, agree = min(1.0, size / 32), min(_MAX_AGREE, max(1, size // BYTES_PER_TOKEN))
         if toks:
             out.append((np.asarray(toks[:depth], dtype=np.int32), weight, agree))
-        if cache is self._cache and toks and len(inp.ends):  # the source's own tokens,
+        if cache is self._cache and toks and len(ends):  # the source's own tokens,
             # where they begin otherwise (a copy that begins inside a source token)
             spelt = source_tokens(inp, start, min(start + span, inp.ends[-1]), self._memo)
             if spelt and spelt[:SPELL] != toks[:SPELL]:
