@@ -461,3 +461,16 @@ def test_verified_nodes_are_learned_once_and_the_rest_of_the_candidate_after():
     emitted = np.concatenate([ctx, [4, 5, 6]]).astype(np.int32)
     spec.propose(req, DraftInput(emitted, 9, None, None), room=8)
     assert _outcomes(spec.acceptance) == (2, 4)  # only 8, left out of the plan, is added
+
+
+def test_a_sampled_request_backed_off_leaves_its_plain_steps_out_of_the_index():
+    spec = Speculator(SRSDConfig())
+    greedy, sampled = spec.begin("srsd", greedy=True), spec.begin("srsd", greedy=False)
+    for req in (greedy, sampled):
+        spec._back_off(req, False)
+        spec._back_off(req, False)  # two declined plans: the next 2 steps skip drafting
+        assert req.skip == 2
+    assert spec.indexes(greedy) and not spec.indexes(sampled)
+    assert spec.skips(sampled) and not spec.indexes(sampled)  # one more skip follows
+    assert spec.skips(sampled) and spec.indexes(sampled)  # the next step drafts: its query
+    assert not spec.indexes(spec.begin("ar", greedy=True))  # (no index at all)

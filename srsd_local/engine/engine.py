@@ -738,7 +738,8 @@ class Engine:
 
             # 4. verify in the shared forward pass and walk the tree
             if plan is None:
-                w = Work([x], [n], [[slot.base]], [1], req.uses_index)  # no arrays: hot path
+                w = Work([x], [n], [[slot.base]], [1],  # no arrays: hot path
+                         self.speculator.indexes(req))
                 yield w
                 path, y, path_tokens = [0], sampler(w.logits[0]), [x]
             else:

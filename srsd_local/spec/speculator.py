@@ -169,6 +169,14 @@ class Speculator:
         req.declined = 0 if verified else req.declined + 1
         req.skip = min(2 ** req.declined // 2, MAX_SKIP)
 
+    def indexes(self, req: Request) -> bool:
+        """Whether a plain step captures and indexes its hidden row: always for a request
+        that uses the index, but for a sampled one whose drafting stays backed off after
+        this step (its next drafting needs the row of the step before it; rows of the
+        steps between are left out of the index: sampled prose rarely gets a tree
+        accepted, and each capture splits the forward pass and copies a row)."""
+        return req.uses_index and (req.greedy or req.skip == 0)
+
     def skips(self, req: Request) -> bool:
         """Whether this step goes without drafting: the controller kept declining, so it
         looks again later, not every step (counts the step). A caller that knows nothing
