@@ -474,3 +474,38 @@ def test_a_sampled_request_backed_off_leaves_its_plain_steps_out_of_the_index():
     assert spec.skips(sampled) and not spec.indexes(sampled)  # one more skip follows
     assert spec.skips(sampled) and spec.indexes(sampled)  # the next step drafts: its query
     assert not spec.indexes(spec.begin("ar", greedy=True))  # (no index at all)
+
+
+def test_exploring_stale_costs_gets_rarer_where_the_estimates_hold_until_a_surprise():
+    cfg = SRSDConfig()
+    # never confirmed by a step of their size: stale
+    cost = CostModel([1, 2, 4, 8, 16, 32], [0.010, 0.018, 0.030, 0.045, 0.070, 0.140])
+    spec = Speculator(cfg, cost=cost)
+    spec.drafters["srsd"] = _FixedDrafter(cfg, [[5, 6, 7]])
+    explored: list[int] = []
+    table = cost.plan_table
+
+    def spy(n_max: int, ctx: int | None = None, explore: bool = False):
+        if explore:
+            explored.append(cost.steps)
+        return table(n_max, ctx, explore)
+
+    cost.plan_table = spy  # type: ignore[method-assign]
+    req = spec.begin("srsd", greedy=True)
+    ctx = np.arange(10, 20, dtype=np.int32)
+
+    def run(steps: int) -> None:
+        for _ in range(steps):
+            req.skip = 0
+            spec.propose(req, DraftInput(ctx, 4, None, None), room=8)
+            cost.observe(1, 0.010)  # plain steps as fast as believed: no size confirmed
+
+    run(1600)
+    # the first plan explores, then every 100, 200, 400, 800 steps: nothing surprised
+    assert np.diff(explored).tolist() == [100, 200, 400, 800], explored
+    # a step far faster than believed: the next plans explore, then 50, 100, ... steps apart
+    last = len(explored)
+    cost.observe(1, 0.001)
+    run(200)
+    assert explored[last: last + 4] == [1601, 1602, 1603, 1604]
+    assert np.diff(explored[last + 3:]).tolist() == [50, 100], explored[last:]

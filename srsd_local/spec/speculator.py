@@ -35,7 +35,8 @@ from .tree import TokenTree
 RECENT_RATE = 0.3  # EMA weight of the last verified tree's outcome
 RECENT_DRIFT = 0.05  # per plain step, towards neutral, so drafting gets retried
 MAX_SKIP = 8  # steps without drafting after plans kept being declined
-EXPLORE_GAP = 50  # steps between plans that try a stale cost estimate optimistically
+EXPLORE_GAP = 50  # steps between plans that try a stale cost estimate optimistically ...
+MAX_EXPLORE_GAP = 3200  # ... doubled after each such plan, up to this, until a surprise
 EXPLORE_AFTER_SURPRISE = 4  # plans that do so after a step far faster than its estimate
 SEED_TRIALS = 10  # calibration seeds count at most this many outcomes per kind of node
 INDEXED_MODES = ("retrieval", "srsd", "hybrid")  # modes that query the hidden-state index
@@ -83,6 +84,7 @@ class Speculator:
         self._explored_at = -EXPLORE_GAP  # cost.steps at the last exploratory plan
         self._surprises = 0  # cost.surprises when last looked at
         self._explore_left = 0  # plans that still explore after a surprise
+        self._explore_gap = EXPLORE_GAP  # steps from one exploratory plan to the next
 
     def _make_drafters(self, config: SRSDConfig) -> dict[str, Drafter | None]:
         self.pool = NgramModDrafter(config)  # one n-gram pool serves every mode that uses it
@@ -197,9 +199,15 @@ class Speculator:
         if self.cost.surprises != self._surprises:  # an estimate was far too high: look
             self._surprises = self.cost.surprises  # for more of them in the next plans
             self._explore_left = EXPLORE_AFTER_SURPRISE
-        explore = ((self._explore_left > 0 or self.cost.steps - self._explored_at >= EXPLORE_GAP)
+            self._explore_gap = EXPLORE_GAP
+        explore = ((self._explore_left > 0 or
+                    self.cost.steps - self._explored_at >= self._explore_gap)
                    and self.cost.can_explore(n_max))
-        if explore:  # an unconfirmed cost estimate must not rule big trees out for good
+        if explore:  # an unconfirmed cost estimate must not rule big trees out for good,
+            # but where exploring finds the estimates right (no surprise), it costs a tree
+            # that does not pay each time: it gets rarer
+            if self._explore_left == 0:
+                self._explore_gap = min(2 * self._explore_gap, MAX_EXPLORE_GAP)
             self._explored_at = self.cost.steps
             self._explore_left = max(0, self._explore_left - 1)
         # steps may be padded up to the room's size (dummy rows), not only the tree's
