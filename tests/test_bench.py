@@ -483,6 +483,30 @@ def test_run_bench_constrains_json_prompts_and_checks_their_outputs():
     assert rows[("json", "ar")].endswith("| 0 | 1/1 |")
     assert rows[("json", "srsd")].endswith("| 0 | 0/1 |")
     assert rows[("code", "ar")].endswith("| 0 | - |")
+    assert s["categories"]["json"]["srsd"]["valid_cut"] == 0  # complete JSON, wrong keys
+
+
+def test_an_output_cut_at_max_tokens_before_its_json_closed_is_counted_as_cut():
+    from srsd_local.bench.report import summarise
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+    class LoopingEngine(FakeEngine):
+        def generate(self, prompt, *, max_tokens, temperature, seed, mode, json_schema=None):
+            out = super().generate(prompt, max_tokens=max_tokens, temperature=temperature,
+                                   seed=seed, mode=mode)
+            out.text = '{"n": 1}' if mode == "ar" else '{"n": 1, "s": "again and again'
+            return out
+
+    recs = run_bench(LoopingEngine(), [BenchPrompt("j", "json", "J", 4, json_schema=schema)],
+                     ["ar", "srsd"], progress=False)
+    reason = {r.mode: r.invalid_reason for r in recs}
+    assert reason["ar"] is None
+    assert reason["srsd"].startswith("cut at max_tokens (4 tokens): not JSON")
+    s = summarise(recs, ["ar", "srsd"])
+    assert s["categories"]["json"]["srsd"]["valid"] == (0, 1)
+    assert s["categories"]["json"]["srsd"]["valid_cut"] == 1
+    assert "| 0/1 (1 cut at max_tokens) |" in table(s, ["ar", "srsd"])
 
 
 def test_run_bench_verifies_each_distinct_greedy_output_once():

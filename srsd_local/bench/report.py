@@ -18,6 +18,7 @@ from typing import Any
 from ..engine.stats import GenerationStats
 
 SPEC_PEER = "llama-server-spec"  # the second reference column, when that mode ran
+CUT = "cut at max_tokens"  # how an invalid output's reason begins when the limit cut it
 
 
 @dataclass
@@ -100,6 +101,9 @@ def aggregate(recs: Iterable[RunRecord], mode: str) -> dict[str, Any]:
         "identical_to_ar": (sum(same), len(same)) if same else None,
         "forced_tokens": None if peer else t.forced_tokens,
         "valid": (sum(valid), len(valid)) if valid else None,
+        # invalid because max_tokens cut them before the JSON closed (a model's loop)
+        "valid_cut": sum(1 for r in recs if r.valid is False and
+                         (r.invalid_reason or "").startswith(CUT)),
         "verify": verify_totals(r.verify for r in recs),
     }
 
@@ -157,8 +161,9 @@ def table(summary: dict[str, Any], modes: Sequence[str]) -> str:
                       "-" if same is None else f"{same[0]}/{same[1]}",
                       _verify_cell(a["verify"])]
             if constrained:
-                v = a["valid"]
-                cells += [_fmt(a["forced_tokens"], "d"), "-" if v is None else f"{v[0]}/{v[1]}"]
+                v, cut = a["valid"], a.get("valid_cut", 0)
+                cells += [_fmt(a["forced_tokens"], "d"), "-" if v is None else
+                          f"{v[0]}/{v[1]}" + (f" ({cut} cut at max_tokens)" if cut else "")]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -30,7 +30,7 @@ from .peers import (
     display_command,
     start_peers,
 )
-from .report import RunRecord, doc_section, plot, summarise, table, write_doc
+from .report import CUT, RunRecord, doc_section, plot, summarise, table, write_doc
 from .workloads import BenchPrompt, first_per_category, load_workload
 
 ALL_MODES = MODES + PEER_MODES
@@ -83,6 +83,9 @@ def run_bench(engine: Any, prompts: Sequence[BenchPrompt], modes: Sequence[str],
             text = out.text
         if p.json_schema is not None and text is not None:  # untimed
             problem = schema_problem(p.json_schema, text)
+            if problem is not None and problem.startswith("not JSON") and \
+                    rec.token_ids is not None and len(rec.token_ids) >= p.max_tokens:
+                problem = f"{CUT} ({p.max_tokens} tokens): {problem}"
             rec.valid, rec.invalid_reason = problem is None, problem
         return rec
 
