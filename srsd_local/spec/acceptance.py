@@ -27,20 +27,22 @@ class NodeEvidence:
     recent: float = 0.5  # how often the last trees of this generation got a token accepted
     origin: str = ""  # the sources it is judged by ("srsd", "ngram", "ngram+text", ...: see
     # draft.acceptance_source)
-    _keys: dict = field(default_factory=dict, repr=False, compare=False)
+    # the keys last computed, and for which (source, greedy)
+    _keys: tuple | None = field(default=None, repr=False, compare=False)
+    _keys_for: tuple | None = field(default=None, repr=False, compare=False)
 
     def keys(self, source: str, greedy: bool) -> tuple[tuple, tuple]:
         """(coarse, fine) keys; the node's own origin names its source when known. Computed
         once per (source, greedy): planning and learning ask for them several times."""
-        got = self._keys.get((source, greedy))
-        if got is None:
-            coarse = (self.origin or source, greedy, min(self.depth, 12),
-                      _bucket(self.recent, (0.25, 0.5, 0.75, 0.9)))
-            fine = coarse + (_bucket(self.share, (0.34, 0.67, 0.999)),
-                             _bucket(self.strength, (0.4, 0.6, 0.8, 0.9)),
-                             _bucket(self.agree, (2, 3, 5)))
-            got = self._keys[(source, greedy)] = (coarse, fine)
-        return got
+        if self._keys_for == (source, greedy):
+            return self._keys  # type: ignore[return-value]
+        coarse = (self.origin or source, greedy, min(self.depth, 12),
+                  _bucket(self.recent, (0.25, 0.5, 0.75, 0.9)))
+        fine = coarse + (_bucket(self.share, (0.34, 0.67, 0.999)),
+                         _bucket(self.strength, (0.4, 0.6, 0.8, 0.9)),
+                         _bucket(self.agree, (2, 3, 5)))
+        self._keys, self._keys_for = (coarse, fine), (source, greedy)
+        return self._keys
 
 
 @dataclass
