@@ -71,6 +71,17 @@ def _plain(rest: bytes) -> bool:
     return not rest or rest[0] in b"=:"
 
 
+def _name_at(text: bytes, i: int, n: int) -> tuple[int, int]:
+    """Where the name of a list item beginning at i starts and ends (spaces, quotes and
+    `*` before it skipped; an empty span where no name follows)."""
+    while i < n and text[i] in b" *'\"":
+        i += 1
+    w = i
+    while w < n and _word(text[w]):
+        w += 1
+    return i, w
+
+
 def _names_after(text: bytes, pos: int, limit: int) -> tuple[list[tuple[bytes, int]], bool]:
     """The names of the comma-separated list that goes on at `pos` (right after one of its
     names): each item's first word, items without one (`*`) skipped, up to the list's
@@ -83,12 +94,7 @@ def _names_after(text: bytes, pos: int, limit: int) -> tuple[list[tuple[bytes, i
     if not _plain(text[pos:j]):
         return names, False
     while more and len(names) < MAX_NAMES:
-        i = j + 1  # after the comma
-        while i < n and text[i] in b" *'\"":
-            i += 1
-        w = i
-        while w < n and _word(text[w]):
-            w += 1
+        i, w = _name_at(text, j + 1, n)  # after the comma
         j, more = _item_end(text, w, n)
         if not _plain(text[w:j]):
             return names, False
@@ -106,12 +112,7 @@ def _recent_list(text: bytes, before: int) -> tuple[list[tuple[bytes, int]], boo
         at = max(text.rfind(b"(", 0, at), text.rfind(b"[", 0, at))
         if at < 0:
             return None
-        i = at + 1
-        while i < before and text[i] in b" *'\"":
-            i += 1
-        w = i
-        while w < before and _word(text[w]):
-            w += 1
+        i, w = _name_at(text, at + 1, before)
         if w > i:
             names, ended = _names_after(text, w, before)
             if ended or names:
@@ -156,17 +157,23 @@ def _output_list(text: bytes, p: int, limit: int) -> tuple[list[bytes], Piece | 
     return names, sep, None
 
 
-def _tail(text: bytes) -> tuple[bytes, bytes, bytes] | None:
-    """(the last whole name, the separator after it, the start of the next name) at the end
-    of `text`, or None."""
+def _ending(text: bytes) -> tuple[int, int]:
+    """Where the text's last run of non-word bytes (at most MAX_SEP) begins, and where the
+    word after it (perhaps empty) begins: `text[j:i]` separates, `text[i:]` is begun."""
     i = len(text)
     while i and _word(text[i - 1]):
         i -= 1
-    start = text[i:]
     j = i
     while j and not _word(text[j - 1]) and i - j < MAX_SEP:
         j -= 1
-    sep = text[j:i]
+    return j, i
+
+
+def _tail(text: bytes) -> tuple[bytes, bytes, bytes] | None:
+    """(the last whole name, the separator after it, the start of the next name) at the end
+    of `text`, or None."""
+    j, i = _ending(text)
+    start, sep = text[i:], text[j:i]
     if not sep or b"\n" in sep or not j or not _word(text[j - 1]):
         return None
     k = j
@@ -230,7 +237,7 @@ def find_list_next(text: bytes) -> list[Piece] | None:
         [(full[0][len(sep):], full[1] + len(sep)), (first, pos)]
     for n in names[1:]:
         out += [full, n]
-    if ended and len(names) <= MAX_NAMES:
+    if ended:
         close = _closer(text, full[0], here)
         if close is not None:
             out.append(close)
@@ -244,12 +251,7 @@ def _closer(text: bytes, sep: bytes, before: int) -> Piece | None:
     for _ in range(2 * MAX_NAMES + 4):
         if at < 0:
             return None
-        w = at + len(sep)
-        while w < before and text[w] in b"*":
-            w += 1
-        while w < before and _word(text[w]):
-            w += 1
-        got = _closing(text, w)
+        got = _closing(text, _name_at(text, at + len(sep), before)[1])
         if got is not None:
             return got
         at = text.rfind(sep, 0, at)
@@ -263,14 +265,8 @@ def find_list_start(text: bytes) -> list[Piece] | None:
     names of the most recent such list before this opening, in the earlier outputs'
     separator, then their closing. Every earlier output so opened (two are looked at) must
     have copied its list that way; None otherwise."""
-    i = len(text)
-    while i and _word(text[i - 1]):
-        i -= 1
-    start = text[i:]
-    j = i
-    while j and not _word(text[j - 1]) and i - j < MAX_SEP:
-        j -= 1
-    opener = text[j:i]
+    j, i = _ending(text)
+    start, opener = text[i:], text[j:i]
     if not j or not opener or b"\n" in opener or b"," in opener or \
             not any(c in b"([" for c in opener):
         return None

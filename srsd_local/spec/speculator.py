@@ -130,9 +130,9 @@ class Speculator:
             return unplanned(tree, req.recent)
         plan = self._plan(tree, req, room, inp.tokens.shape[0], offset, gain)
         self._back_off(req, bool(plan.tree.n_draft))
-        if req.greedy and plan.candidate_evidence is not None:
+        if req.greedy:  # (a declined plan's source is the root alone)
             req.unverified = (inp.tokens.shape[0], tree, plan.candidate_evidence,
-                              set(plan.source) if plan.tree.n_draft else set())
+                              set(plan.source))
         return plan if plan.tree.n_draft else None
 
     def _settle(self, req: Request, inp: DraftInput) -> None:

@@ -219,7 +219,7 @@ class TextLookupDrafter(Drafter):
             out.append((np.asarray(toks[:depth], dtype=np.int32), weight, agree))
         if cache is self._cache and toks and len(ends):  # the source's own tokens,
             # where they begin otherwise (a copy that begins inside a source token)
-            spelt = source_tokens(inp, start, min(start + span, inp.ends[-1]), self._memo)
+            spelt = source_tokens(inp, start, min(start + span, ends[-1]), self._memo)
             if spelt and spelt[:SPELL] != toks[:SPELL]:
                 out.append((np.asarray(spelt[:-1][:depth], dtype=np.int32), weight, agree))
 
