@@ -410,3 +410,47 @@ def test_compiled_and_python_capture_agree_and_fallback_without_compiler(model_p
     with Backend(model_path, cfg, capture_layer=4) as be:
         assert be.capture.kind == "python"
         assert be.decode(ids[:20], want_logits="last").hidden.shape == (20, n_embd)
+
+
+def _declining_cost() -> CostModel:
+    """A cost profile (confirmed, so never explored) under which no tree pays: every token
+    of a batch costs a plain step."""
+    cost = CostModel([1, 2, 64], [0.013, 0.026, 0.832])
+    for n, seconds in ((2, 0.026), (64, 0.832)):
+        cost.observe(n, seconds)
+    return cost
+
+
+def test_drafts_the_controller_declines_are_learned_from_the_tokens_emitted(engine,
+                                                                            monkeypatch):
+    """No tree pays, so none is verified; the declined drafts' nodes are still learned from
+    the tokens plain decoding emitted after them (an edit copies its input: many of them
+    accepted), and the output is plain decoding's."""
+    from srsd_local.spec.acceptance import AcceptanceModel
+
+    monkeypatch.setattr(engine.speculator, "cost", _declining_cost())
+    model = AcceptanceModel()
+    monkeypatch.setattr(engine.speculator, "acceptance", model)
+    prompt = edit_prompt()
+    out = engine.generate(prompt, max_tokens=64, mode="srsd")
+    assert out.stats.drafts == 0
+    coarse = [v for k, v in model.counts.items() if len(k) == 4 and k[1] is True]
+    accepted, tried = sum(a for a, _ in coarse), sum(n for _, n in coarse)
+    assert tried >= 10 and accepted >= 3, (accepted, tried)
+    assert out.token_ids == engine.generate(prompt, max_tokens=64, mode="ar").token_ids
+
+
+def test_a_sampled_generation_backed_off_leaves_its_plain_steps_out_of_the_index(engine,
+                                                                                monkeypatch):
+    """Sampling with every plan declined: drafting backs off, and the plain steps in between
+    capture no hidden row, so the index holds fewer rows than the context has positions; the
+    draws are plain sampling's (no tree was verified)."""
+    monkeypatch.setattr(engine.speculator, "cost", _declining_cost())
+    prompt = edit_prompt()
+    kw = dict(max_tokens=48, temperature=0.8, seed=5)
+    engine.reset()
+    out = engine.generate(prompt, mode="srsd", **kw)
+    assert out.stats.drafts == 0
+    positions = out.stats.prompt_tokens + len(out.token_ids) - 1  # the last one is pending
+    assert len(engine.index) <= positions - 20, (len(engine.index), positions)
+    assert out.token_ids == engine.generate(prompt, mode="ar", **kw).token_ids
