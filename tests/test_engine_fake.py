@@ -379,15 +379,17 @@ def test_trees_run_padded_to_the_cheapest_profiled_size_and_still_equal_plain():
     for n, t in zip(sizes, costs):  # every size confirmed: no exploratory plans
         cost.observe(n, t)
     pads: list[int] = []
-    propose = eng.speculator.propose
+    decide = eng.speculator._decide  # every plan (a merged draft's, a copy run's)
 
     def recording(*a, **k):
-        plan = propose(*a, **k)
+        plan = decide(*a, **k)
         if plan is not None:
             pads.append(plan.pad)
         return plan
 
-    eng.speculator.propose = recording
+    eng.speculator._decide = recording
+    # merged drafts only: a copy run's chain fills the whole room (7 nodes, 8 rows), unpadded
+    eng.speculator.follow = lambda *a, **k: None
     calls = len(eng.backend.decode_calls)
     spec = eng.generate(PROMPT, max_tokens=80, mode="srsd")
     assert spec.token_ids == plain.token_ids

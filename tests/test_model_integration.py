@@ -454,3 +454,37 @@ def test_a_sampled_generation_backed_off_leaves_its_plain_steps_out_of_the_index
     positions = out.stats.prompt_tokens + len(out.token_ids) - 1  # the last one is pending
     assert len(engine.index) <= positions - 20, (len(engine.index), positions)
     assert out.token_ids == engine.generate(prompt, mode="ar", **kw).token_ids
+
+
+def test_an_edit_is_copied_in_chains_without_drafting_and_equals_plain(engine, monkeypatch):
+    """Once a tree is accepted to its leaf, the edit's copy of its input is followed chain
+    after chain (no drafter runs for those steps); chains longer than a merged tree's depth
+    are verified where the cost allows, and the output is plain decoding's."""
+    cost = CostModel([1, 2, 16, 32, 64], [0.013, 0.015, 0.018, 0.022, 0.04])
+    for n, seconds in ((2, 0.015), (16, 0.018), (32, 0.022), (64, 0.04)):
+        cost.observe(n, seconds)
+    monkeypatch.setattr(engine.speculator, "cost", cost)
+    spec = engine.speculator
+    chains: list[tuple[int, int]] = []  # (drafted, accepted) per verified chain
+    drafted_steps: list[int] = []
+    observe, propose = spec.observe, spec.propose
+
+    def observing(req, plan, path):
+        if plan is not None and plan.copy_from is not None:
+            chains.append((len(plan.tree) - 1, len(path) - 1))
+        return observe(req, plan, path)
+
+    def proposing(*a, **k):
+        drafted_steps.append(1)
+        return propose(*a, **k)
+
+    monkeypatch.setattr(spec, "observe", observing)
+    monkeypatch.setattr(spec, "propose", proposing)
+    prompt = edit_prompt()
+    out = engine.generate(prompt, max_tokens=96, mode="srsd")
+    assert len(chains) >= 2, chains
+    assert sum(a for _, a in chains) >= 40, chains
+    assert max(d for d, _ in chains) > engine.config.draft_depth, chains
+    # every verified chain's step drafted nothing
+    assert len(drafted_steps) <= out.stats.steps - len(chains)
+    assert out.token_ids == engine.generate(prompt, max_tokens=96, mode="ar").token_ids

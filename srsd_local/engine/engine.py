@@ -717,7 +717,11 @@ class Engine:
             n = slot.n_past
             ta, out0 = time.perf_counter(), job.outside
             room = 0 if self.plain_only else self.speculator.room(req, slot.n_ctx - n - 2)
-            if room and forcing is None and self.speculator.skips(req):
+            plan = None
+            if room and forcing is None:  # a copy run goes on: its chain, no drafting
+                plan = self.speculator.follow(req, slot.ctx[:n], x, room,
+                                              offset=job.batch_offset, gain=job.batch_gain)
+            if plan is not None or (room and forcing is None and self.speculator.skips(req)):
                 room = 0  # no draft this step: its input is not even prepared
             inp = None
             if room:
@@ -731,8 +735,9 @@ class Engine:
                     inp.tokenize, inp.piece = self._tokenize_text, be.piece
                 if forcing is not None:
                     self._constrain_draft(inp, forcing)
-            plan = self.speculator.propose(req, inp, room, offset=job.batch_offset,
-                                           gain=job.batch_gain) if room else None
+            if room:
+                plan = self.speculator.propose(req, inp, room, offset=job.batch_offset,
+                                               gain=job.batch_gain)
             job.expected_tokens = 1.0 if plan is None else 1.0 + plan.expected_accepted
             tb = time.perf_counter()
 

@@ -16,11 +16,12 @@ from .tree import TokenTree
 Proposal = tuple[np.ndarray, float, int]
 # draft sources: their bits in TokenTree.origin, and the names the acceptance model keys by
 ORIGINS = {1: "srsd", 2: "ngram", 4: "pld", 8: "grammar", 16: "text", 32: "analogy",
-           64: "list"}
+           64: "list", 128: "copy"}
 RETRIEVAL = 1  # the bit of drafts hidden-state retrieval proposed
 GRAMMAR = 8  # the bit of drafts a grammar forces (see DraftInput.forced)
 ANALOGY = 32  # the bit of drafts made by analogy with an earlier example (analogy.py)
 LIST = 64  # the bit of drafts that continue a list copied name by name (listcopy.py)
+COPY = 128  # the bit of chains that continue a copy run (copyrun.py)
 
 
 @lru_cache(maxsize=64)

@@ -24,6 +24,7 @@ class Plan:
     source: list[int] = field(default_factory=list)  # per node: its index in the candidate
     # the evidence of every node of the tree the plan was chosen from (speculator.py)
     candidate_evidence: list[NodeEvidence | None] | None = None
+    copy_from: int | None = None  # a copy run's chain: the context position of its root
 
 
 def _sibling_normalised(tree: TokenTree, q: Sequence[float]) -> list[float]:

@@ -26,8 +26,9 @@ from dataclasses import dataclass
 
 from ..config import MODES, SRSDConfig
 from .acceptance import AcceptanceModel, DepthCalibration, NodeEvidence, evidence
+from .copyrun import chain, continues, find_copy
 from .cost import CostModel
-from .draft import Drafter, DraftInput
+from .draft import _MAX_AGREE, COPY, Drafter, DraftInput
 from .drafters import NgramModDrafter, make_drafter
 from .planner import Plan, choose
 from .tree import TokenTree
@@ -41,6 +42,8 @@ EXPLORE_AFTER_SURPRISE = 4  # plans that do so after a step far faster than its 
 SEED_TRIALS = 10  # calibration seeds count at most this many outcomes per kind of node
 INDEXED_MODES = ("retrieval", "srsd", "hybrid")  # modes that query the hidden-state index
 TEXT_MODES = ("srsd",)  # modes that draft from the context's text (DraftInput.text)
+FOLLOW_MODES = ("srsd",)  # modes that follow copy runs (copyrun.py)
+SEARCH = -1  # Request.copy_at: look for the copy the last tree came from
 
 
 @dataclass
@@ -56,6 +59,9 @@ class Request:
     # verified once the tokens after them are known: (context length at its root, the tree,
     # its evidence, the nodes learned already)
     unverified: tuple[int, TokenTree, list, set[int]] | None = None
+    # a copy run: the context position whose token the next root should be (SEARCH: not
+    # known yet, the last tree was accepted to a leaf), or None (no run)
+    copy_at: int | None = None
 
     @property
     def uses_index(self) -> bool:
@@ -79,7 +85,8 @@ class Speculator:
         # without a measured profile, verification is assumed as cheap as a plain step
         self.cost = cost or CostModel([1, 2], [1.0, 1.0])
         self.acceptance = acceptance or AcceptanceModel()
-        self.depth_calibration: dict[tuple[str, bool], DepthCalibration] = {}
+        # per (mode, greedy, copy run or merged draft)
+        self.depth_calibration: dict[tuple[str, bool, bool], DepthCalibration] = {}
         self.drafters = self._make_drafters(config)
         self._explored_at = -EXPLORE_GAP  # cost.steps at the last exploratory plan
         self._surprises = 0  # cost.surprises when last looked at
@@ -128,12 +135,39 @@ class Speculator:
             return None
         if not drafter.config.adaptive:
             return unplanned(tree, req.recent)
-        plan = self._plan(tree, req, room, inp.tokens.shape[0], offset, gain)
+        return self._decide(tree, req, room, int(inp.tokens.shape[0]), offset, gain)
+
+    def _decide(self, tree: TokenTree, req: Request, room: int, ctx: int, offset: int,
+                gain: float) -> Plan | None:
+        """The controller's plan for a candidate tree (None: declined, a plain step);
+        back-off and what is learned later from the nodes not verified."""
+        plan = self._plan(tree, req, room, ctx, offset, gain)
         self._back_off(req, bool(plan.tree.n_draft))
         if req.greedy:  # (a declined plan's source is the root alone)
-            req.unverified = (inp.tokens.shape[0], tree, plan.candidate_evidence,
-                              set(plan.source))
+            req.unverified = (ctx, tree, plan.candidate_evidence, set(plan.source))
         return plan if plan.tree.n_draft else None
+
+    def follow(self, req: Request, tokens, root: int, room: int, offset: int = 0,
+               gain: float = 0.0) -> Plan | None:
+        """A copy run's next chain, planned (see copyrun.py), or None when the request is
+        not in a run that goes on; then the caller drafts as usual (a chain the controller
+        declined leaves the request backed off, so the caller makes a plain step)."""
+        at = req.copy_at
+        if at is None or room <= 0 or req.mode not in FOLLOW_MODES or not self.config.adaptive:
+            return None
+        req.copy_at = None
+        if at == SEARCH:
+            at = find_copy(tokens, root)
+        if at is None or not continues(tokens, root, at):
+            return None
+        if req.unverified is not None:
+            self._settle(req, DraftInput(tokens, root, None, None))
+        tree = TokenTree(root)
+        tree.insert(chain(tokens, root, at, room), 1.0, _MAX_AGREE, COPY)
+        plan = self._decide(tree, req, room, int(tokens.shape[0]), offset, gain)
+        if plan is not None:
+            plan.copy_from = at
+        return plan
 
     def _settle(self, req: Request, inp: DraftInput) -> None:
         """Learn the outcomes of the last candidate tree's nodes that were not verified, as
@@ -212,7 +246,9 @@ class Speculator:
             self._explore_left = max(0, self._explore_left - 1)
         # steps may be padded up to the room's size (dummy rows), not only the tree's
         cost, size = self.cost.plan_table(room + 1 + offset, ctx, explore=explore)
-        dc = self.depth_calibration.setdefault((req.mode, req.greedy), DepthCalibration())
+        # a copy run's chains are calibrated apart: their depths fare unlike a merged tree's
+        copy = bool(tree.origin[0] & COPY)
+        dc = self.depth_calibration.setdefault((req.mode, req.greedy, copy), DepthCalibration())
         plan = choose(tree, q, cost[offset: offset + n_max + 1], self.config.max_branches,
                       q_mean, dc.scale(), ev, gain)
         if plan.tree.n_draft:
@@ -224,13 +260,19 @@ class Speculator:
     def observe(self, req: Request, plan: Plan | None, path: list[int]) -> None:
         """Learn from one step: `plan` was verified (None: a plain step), `path` are the
         accepted node indices from the root. (The step's cost: `observe_cost`.)"""
+        req.copy_at = None
         if plan is None:
             req.recent += RECENT_DRIFT * (0.5 - req.recent)
         else:
             tree = plan.tree
+            if len(path) > 1 and not tree.children(path[-1]):  # accepted to a leaf: the
+                # output goes on copying (the chain's source, else the source to look for)
+                req.copy_at = (SEARCH if plan.copy_from is None else
+                               plan.copy_from + len(path))
             if plan.probs:
-                self.depth_calibration[(req.mode, req.greedy)].update(
-                    plan.raw_probs[1:], tree.depths[1:], len(path) - 1)
+                key = (req.mode, req.greedy, plan.copy_from is not None)
+                self.depth_calibration[key].update(plan.raw_probs[1:], tree.depths[1:],
+                                                   len(path) - 1)
             self._learn(tree, plan.evidence, path, req)
             req.recent += RECENT_RATE * (float(len(path) > 1) - req.recent)
 
