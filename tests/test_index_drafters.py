@@ -157,6 +157,17 @@ def test_semantic_drafter_gates_on_the_next_token():
     gated = SemanticDrafter(_cfg(top_k=3, min_similarity=0.5)).draft(
         DraftInput(ctx, root=99, query=q, index=idx))
     assert gated.n_draft == 0
+    # a root the context never held before its last position: no hit could pass the gate,
+    # and the index is not even searched
+    class Unsearched(VectorIndex):
+        def search(self, query, k):
+            raise AssertionError("searched")
+
+    quiet = Unsearched(dim, 64, "numpy")
+    quiet.add(rows, np.arange(len(ctx)))
+    for root in (99, 22):  # (22 is the last token: nothing after it to draft)
+        assert SemanticDrafter(_cfg(top_k=3, min_similarity=0.5)).propose(
+            DraftInput(ctx, root=root, query=q, index=quiet)) == []
     # weak similarity drafts nothing
     weak = SemanticDrafter(_cfg(top_k=3, min_similarity=0.999)).draft(
         DraftInput(ctx, root=11, query=rng.normal(size=dim).astype(np.float32), index=idx))

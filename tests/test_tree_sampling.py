@@ -44,6 +44,24 @@ def test_prune_keeps_heaviest_connected_subtree_within_budget():
     assert b.path_tokens(len(b) - 1) == [1, 2, 3, 4]
 
 
+def test_a_trees_first_nodes_are_a_tree_of_their_own():
+    t = TokenTree(9)
+    t.insert([1, 2, 3], 0.5, agree=3, origin=1)
+    t.insert([1, 4], 0.25, agree=5, origin=2)
+    t.insert([6, 7], 1.0, origin=16)
+    for k in range(len(t)):
+        head = t.head(k)
+        ref = t.subtree([i <= k for i in range(len(t))])
+        assert len(head) == k + 1
+        for field in ("tokens", "parents", "depths", "weights", "counts", "agree", "origin"):
+            assert getattr(head, field) == getattr(ref, field), (k, field)
+        assert [sorted(head.children(i)) for i in range(len(head))] == \
+            [sorted(ref.children(i)) for i in range(len(ref))]
+    head = t.head(2)
+    head.insert([1, 2, 8], 1.0)  # its own lists: the original is untouched
+    assert len(t) == 7 and t.child(t.child(t.child(0, 1), 2), 8) is None
+
+
 def test_prune_is_deterministic():
     t = TokenTree(0)
     for k in range(6):

@@ -108,16 +108,19 @@ def choose(tree: TokenTree, q: Sequence[float], cost: np.ndarray, max_branches: 
         rate = (1.0 + cum) / cost[k + 1]
         if rate > best_rate * (1.0 + 1e-9):  # a tie is not worth the bigger batch
             best_k, best_rate = k, rate
-    out = TokenTree(tree.tokens[0])
-    out.weights[0], out.counts[0] = tree.weights[0], tree.counts[0]
-    new_of = {0: 0}
-    probs, raw = [1.0], [1.0]
-    for node in kept[:best_k]:  # parents come before their children in this order
-        new_of[node] = out.graft(new_of[tree.parents[node]], tree, node)
-        probs.append(p_rep[node])
-        raw.append(p_raw[node])
+    chosen = kept[:best_k]
     ev_all = evidence(tree) if ev is None else ev
-    old_of = {v: k for k, v in new_of.items()}
-    source = [old_of[i] for i in range(len(out))]
+    if not best_k or max(chosen) == best_k:  # the candidate's first nodes (a chain's prefix)
+        out, source = tree.head(best_k), list(range(best_k + 1))
+    else:
+        out = TokenTree(tree.tokens[0])
+        new_of = {0: 0}
+        for node in chosen:  # parents come before their children in this order
+            new_of[node] = out.graft(new_of[tree.parents[node]], tree, node)
+        old_of = {v: k for k, v in new_of.items()}
+        source = [old_of[i] for i in range(len(out))]
+    out.weights[0], out.counts[0], out.origin[0] = tree.weights[0], tree.counts[0], 0
+    probs = [1.0] + [p_rep[i] for i in source[1:]]
+    raw = [1.0] + [p_raw[i] for i in source[1:]]
     return Plan(out, probs, [ev_all[i] for i in source], float(sum(probs) - 1.0), raw,
                 source=source)

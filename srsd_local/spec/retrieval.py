@@ -15,9 +15,11 @@ class SemanticDrafter(Drafter):
         cfg = self.config
         if inp.index is None or inp.query is None or len(inp.index) == 0:
             return []
-        hits = inp.index.search(inp.query, cfg.top_k)
         ctx = inp.tokens
         n = len(ctx)
+        if not (ctx[1: n - 1] == inp.root).any():  # no hit could count: skip the search
+            return []
+        hits = inp.index.search(inp.query, cfg.top_k)
         out: list[Proposal] = []
         for j, score in zip(hits.positions.tolist(), hits.scores.tolist()):
             if score < cfg.min_similarity or j + 2 >= n or ctx[j + 1] != inp.root:

@@ -131,6 +131,19 @@ class TokenTree:
             push_children(old, out.graft(new_parent, self, old))
         return out
 
+    def head(self, k: int) -> TokenTree:
+        """The first k drafted nodes (nodes 0..k) as a tree of their own, statistics included:
+        parents come before their children, so they are connected. (A plan that keeps a
+        candidate's first nodes, as a chain's prefix always is, needs no node-by-node copy.)"""
+        m = k + 1
+        out = TokenTree.__new__(TokenTree)
+        out.tokens, out.parents, out.depths = self.tokens[:m], self.parents[:m], self.depths[:m]
+        out.weights, out.counts = self.weights[:m], self.counts[:m]
+        out.agree, out.origin = self.agree[:m], self.origin[:m]
+        out._children = [{t: c for t, c in kids.items() if c < m} if kids else {}
+                         for kids in self._children[:m]]
+        return out
+
     def subtree(self, keep: Sequence[bool], index: dict[int, int] | None = None) -> TokenTree:
         """The nodes with keep[i] true (the root always; a node whose parent is dropped is
         dropped too), statistics included; `index` (when given) receives old -> new node
