@@ -723,7 +723,6 @@ class Engine:
                                               offset=job.batch_offset, gain=job.batch_gain)
             if plan is not None or (room and forcing is None and self.speculator.skips(req)):
                 room = 0  # no draft this step: its input is not even prepared
-            inp = None
             if room:
                 inp = DraftInput(slot.ctx[:n], x, slot.last_hidden,
                                  slot.index if req.uses_index else None)
@@ -735,7 +734,6 @@ class Engine:
                     inp.tokenize, inp.piece = self._tokenize_text, be.piece
                 if forcing is not None:
                     self._constrain_draft(inp, forcing)
-            if room:
                 plan = self.speculator.propose(req, inp, room, offset=job.batch_offset,
                                                gain=job.batch_gain)
             job.expected_tokens = 1.0 if plan is None else 1.0 + plan.expected_accepted
