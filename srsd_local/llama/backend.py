@@ -341,7 +341,7 @@ class Backend:
             if self.capture is not None:
                 self.capture.reset()
             self._decode_batch(e - s)
-            n_out = int(flags[s:e].sum())
+            n_out = int(np.count_nonzero(flags[s:e]))
             raw = True
             if n_out and self.graph_seqs and ids is not None:
                 raw, got = self._sampled(ids, flags[s:e])
