@@ -344,6 +344,22 @@ def test_depth_calibration_corrects_systematic_underprediction():
     assert dc.scale()[1] < 0.5
 
 
+def test_depth_calibration_of_trees_deeper_than_its_depths_counts_each_deep_node():
+    """Its last entry gathers every depth from there on: chains of 12 nodes accepted to the
+    end, forecast right, keep that entry's scale at 1 (it once counted one accepted node
+    against the forecasts of all nine deep ones, and cut such chains at its depth)."""
+    from srsd_local.spec.acceptance import DepthCalibration
+
+    dc = DepthCalibration(depths=5)
+    tree = _chain_tree(12)
+    for _ in range(300):
+        dc.update([0.999] * 12, tree.depths[1:], accepted_depth=12)
+    assert dc.scale()[4] == pytest.approx(1.0, abs=0.01)
+    for _ in range(300):  # accepted up to depth 6: 3 of the 9 deep nodes (depths 4-12)
+        dc.update([0.999] * 12, tree.depths[1:], accepted_depth=6)
+    assert dc.scale()[4] == pytest.approx(1 / 3, abs=0.02)
+
+
 def test_shipped_calibration_applies_only_to_the_default_model_file(tmp_path, monkeypatch):
     import json
     from importlib import resources

@@ -153,12 +153,14 @@ class DepthCalibration:
     def update(self, raw_probs: Sequence[float], depths: Sequence[int], accepted_depth: int
                ) -> None:
         n = len(self.pred)
-        pred = [0.0] * n
+        last = n - 1  # the last entry gathers every depth from there on: its forecasts
+        pred = [0.0] * n  # and its accepted nodes alike (one per depth a path reached)
         for p, d in zip(raw_probs, depths):
-            pred[min(d, n - 1)] += p
-        top = min(accepted_depth, n - 1)
+            pred[min(d, last)] += p
         decay = self.decay
         for d in range(n):
             if pred[d] > 0:
+                hit = float(max(0, accepted_depth - last + 1)) if d == last else \
+                    (1.0 if 1 <= d <= accepted_depth else 0.0)
                 self.pred[d] = decay * self.pred[d] + pred[d]
-                self.act[d] = decay * self.act[d] + (1.0 if 1 <= d <= top else 0.0)
+                self.act[d] = decay * self.act[d] + hit
