@@ -138,10 +138,11 @@ class Speculator:
         return self._decide(tree, req, room, int(inp.tokens.shape[0]), offset, gain)
 
     def _decide(self, tree: TokenTree, req: Request, room: int, ctx: int, offset: int,
-                gain: float) -> Plan | None:
+                gain: float, copy_from: int | None = None) -> Plan | None:
         """The controller's plan for a candidate tree (None: declined, a plain step);
-        back-off and what is learned later from the nodes not verified."""
-        plan = self._plan(tree, req, room, ctx, offset, gain)
+        back-off and what is learned later from the nodes not verified. `copy_from`: the
+        tree is a copy run's chain whose root copies that context position."""
+        plan = self._plan(tree, req, room, ctx, offset, gain, copy_from)
         self._back_off(req, bool(plan.tree.n_draft))
         if req.greedy:  # (a declined plan's source is the root alone)
             req.unverified = (ctx, tree, plan.candidate_evidence, set(plan.source))
@@ -164,10 +165,7 @@ class Speculator:
             self._settle(req, DraftInput(tokens, root, None, None))
         tree = TokenTree(root)
         tree.insert(chain(tokens, root, at, room), 1.0, _MAX_AGREE, COPY)
-        plan = self._decide(tree, req, room, int(tokens.shape[0]), offset, gain)
-        if plan is not None:
-            plan.copy_from = at
-        return plan
+        return self._decide(tree, req, room, int(tokens.shape[0]), offset, gain, at)
 
     def _settle(self, req: Request, inp: DraftInput) -> None:
         """Learn the outcomes of the last candidate tree's nodes that were not verified, as
@@ -223,7 +221,7 @@ class Speculator:
         return False
 
     def _plan(self, tree: TokenTree, req: Request, room: int, ctx: int, offset: int = 0,
-              gain: float = 0.0) -> Plan:
+              gain: float = 0.0, copy_from: int | None = None) -> Plan:
         ev = evidence(tree, req.recent)
         acc = self.acceptance
         both = [acc.q_both(e, req.mode, req.greedy) for e in ev[1:]]
@@ -247,14 +245,15 @@ class Speculator:
         # steps may be padded up to the room's size (dummy rows), not only the tree's
         cost, size = self.cost.plan_table(room + 1 + offset, ctx, explore=explore)
         # a copy run's chains are calibrated apart: their depths fare unlike a merged tree's
-        copy = bool(tree.origin[0] & COPY)
-        dc = self.depth_calibration.setdefault((req.mode, req.greedy, copy), DepthCalibration())
+        dc = self.depth_calibration.setdefault((req.mode, req.greedy, copy_from is not None),
+                                               DepthCalibration())
         plan = choose(tree, q, cost[offset: offset + n_max + 1], self.config.max_branches,
                       q_mean, dc.scale(), ev, gain)
         if plan.tree.n_draft:
             total = len(plan.tree) + offset
             plan.pad = int(size[total]) - total
         plan.candidate_evidence = ev
+        plan.copy_from = copy_from
         return plan
 
     def observe(self, req: Request, plan: Plan | None, path: list[int]) -> None:
