@@ -525,3 +525,71 @@ def test_exploring_stale_costs_gets_rarer_where_the_estimates_hold_until_a_surpr
     run(200)
     assert explored[last: last + 4] == [1601, 1602, 1603, 1604]
     assert np.diff(explored[last + 3:]).tolist() == [50, 100], explored[last:]
+
+
+def _reference_plan_table(c: CostModel, n_max: int, ctx: int, explore: bool):
+    """plan_table as its docstring defines it, one size at a time."""
+    sec = c.seconds
+    if explore:
+        guess = sec[0] * (1.0 + 0.1 * (c.sizes - 1))
+        sec = np.where(c.stale(), np.minimum(sec, guess), sec)
+    sizes = c.sizes.tolist()
+    size = []
+    for n in range(n_max + 1):
+        m = next((s for s in sizes if s >= n), n) if n >= 1 else 0
+        size.append(m if m <= n_max else n)
+    size = np.array(size)
+    cost = c._base(size, sec) + c.per_kv * max(0, ctx - c.ctx0) * size
+    best, at = cost.copy(), list(range(n_max + 1))
+    for k in range(n_max - 1, 0, -1):  # the cheapest from k on, ties: the smallest size
+        if cost[k] > best[k + 1]:
+            best[k], at[k] = best[k + 1], at[k + 1]
+    return best, size[at]
+
+
+def test_plan_table_equals_its_definition_on_random_profiles():
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        sizes = sorted({1, *rng.integers(2, 60, size=rng.integers(1, 12)).tolist()})
+        secs = (0.01 * (1 + rng.random(len(sizes)) * np.array(sizes) * 0.3)).tolist()
+        c = CostModel(sizes, secs, per_kv=float(rng.choice([0.0, 1e-6])), ctx0=100)
+        for _ in range(int(rng.integers(0, 5))):  # confirm a few sizes: shapes change
+            c.observe(int(rng.choice(sizes)), float(rng.uniform(0.005, 0.05)), 500)
+        c.steps += int(rng.choice([0, 5000]))  # stale points for exploring
+        n_max, ctx = int(rng.integers(1, 80)), int(rng.integers(0, 4000))
+        for explore in (False, True):
+            best, size = c.plan_table(n_max, ctx, explore)
+            ref_best, ref_size = _reference_plan_table(c, n_max, ctx, explore)
+            assert np.array_equal(size[1:], ref_size[1:]), (trial, explore)
+            assert np.allclose(best[1:], ref_best[1:], rtol=1e-12, atol=0), (trial, explore)
+        stale = c.stale()
+        for n in (1, 4, 16, 64):
+            assert c.can_explore(n) == bool(np.any(stale & (c.sizes <= n)))
+
+
+def test_a_chain_is_planned_as_the_general_tree_path_would():
+    """choose takes a chain's nodes in path order without sorting (p never grows down a
+    path; ties go to the shallower node): the order the general path sorts them into."""
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        n = int(rng.integers(2, 40))
+        tree = _chain_tree(n - 1)
+        q = [1.0] + rng.choice([0.3, 0.9, 1.0, 1.2], size=n - 1).tolist()  # ties, q > 1
+        cost = np.cumsum(rng.uniform(0.001, 0.01, size=int(rng.integers(3, n + 4))))
+        scale = rng.uniform(0.5, 2.0, 17).tolist()
+        plan = choose(tree, q, cost, 4, depth_scale=scale)
+        # the reference: every path probability, then the best prefix by expected tokens
+        # per second, scored one size at a time (a bigger one only when strictly better)
+        p_all, raw = [1.0], 1.0
+        for i in range(1, n):
+            raw *= q[i]
+            p_all.append(min(p_all[-1], raw * scale[min(i, 16)], 1.0))
+        order = sorted(range(1, n), key=lambda i: (-p_all[i], i))
+        assert order == list(range(1, n))
+        best_k, best_rate = 0, 1.0 / cost[1]
+        for k in range(1, min(n, len(cost) - 1)):
+            rate = (1.0 + sum(p_all[1:k + 1])) / cost[k + 1]
+            if rate > best_rate * (1.0 + 1e-9):
+                best_k, best_rate = k, rate
+        assert plan.tree.tokens == tree.tokens[:best_k + 1]
+        assert plan.probs == pytest.approx(p_all[:best_k + 1], rel=1e-12)

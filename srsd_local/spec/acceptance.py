@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 from .draft import acceptance_source
 from .tree import TokenTree
 
-
-def _bucket(x: float, edges: Sequence[float]) -> int:
-    """The number of edges <= x (edges ascending)."""
-    return bisect_right(edges, x)
+# bucket edges of the evidence features (a bucket: the number of edges <= the value)
+RECENT_EDGES = (0.25, 0.5, 0.75, 0.9)
+SHARE_EDGES = (0.34, 0.67, 0.999)
+STRENGTH_EDGES = (0.4, 0.6, 0.8, 0.9)
+AGREE_EDGES = (2, 3, 5)
+MAX_KEY_DEPTH = 12  # deeper nodes share the keys of this depth
 
 
 @dataclass(slots=True)
@@ -36,11 +38,11 @@ class NodeEvidence:
         once per (source, greedy): planning and learning ask for them several times."""
         if self._keys_for == (source, greedy):
             return self._keys  # type: ignore[return-value]
-        coarse = (self.origin or source, greedy, min(self.depth, 12),
-                  _bucket(self.recent, (0.25, 0.5, 0.75, 0.9)))
-        fine = coarse + (_bucket(self.share, (0.34, 0.67, 0.999)),
-                         _bucket(self.strength, (0.4, 0.6, 0.8, 0.9)),
-                         _bucket(self.agree, (2, 3, 5)))
+        coarse = (self.origin or source, greedy, min(self.depth, MAX_KEY_DEPTH),
+                  bisect_right(RECENT_EDGES, self.recent))
+        fine = coarse + (bisect_right(SHARE_EDGES, self.share),
+                         bisect_right(STRENGTH_EDGES, self.strength),
+                         bisect_right(AGREE_EDGES, self.agree))
         self._keys, self._keys_for = (coarse, fine), (source, greedy)
         return self._keys
 
@@ -70,7 +72,10 @@ class AcceptanceModel:
     # node of 79 of 80 chains
 
     def _post(self, ev: NodeEvidence, source: str, greedy: bool) -> tuple[float, float]:
-        coarse, fine = ev.keys(source, greedy)
+        return self._post_keys(*ev.keys(source, greedy))
+
+    def _post_keys(self, coarse: tuple, fine: tuple) -> tuple[float, float]:
+        """(posterior mean, outcomes counted under the coarse key) of a node's keys."""
         a, n_coarse = self.counts.get(coarse, (0, 0))
         kind = coarse[0]  # the node's sources
         prior = self.forced_prior if "grammar" in kind else \
@@ -94,6 +99,23 @@ class AcceptanceModel:
         """(q, q_explore) from one lookup."""
         mean, n = self._post(ev, source, greedy)
         return mean, min(1.0, mean + self.bonus / (1.0 + n) ** 0.5)
+
+    def q_all(self, evs: Sequence[NodeEvidence | None], source: str, greedy: bool
+              ) -> tuple[list[float], list[float]]:
+        """(q, q_explore) of every node but the root (`evs[0]`), each distinct key looked
+        up once (the nodes of a tree share most of theirs: a chain's deep nodes all do)."""
+        memo: dict[tuple, tuple[float, float]] = {}
+        means, explores = [], []
+        bonus = self.bonus
+        for ev in evs[1:]:
+            coarse, fine = ev.keys(source, greedy)
+            got = memo.get(fine)
+            if got is None:
+                mean, n = self._post_keys(coarse, fine)
+                got = memo[fine] = (mean, min(1.0, mean + bonus / (1.0 + n) ** 0.5))
+            means.append(got[0])
+            explores.append(got[1])
+        return means, explores
 
     horizon: int = 2000  # older outcomes fade once a key has this many
 
@@ -121,14 +143,17 @@ class AcceptanceModel:
 
 
 def evidence(tree: TokenTree, recent: float = 0.5) -> list[NodeEvidence | None]:
-    """Per node (None for the root): the features the acceptance model is keyed by."""
-    root_count = max(tree.counts[0], 1)
+    """Per node (None for the root): the features the acceptance model is keyed by.
+    (Locals bound once: this runs on every plan, on caches a forward pass just flushed.)"""
+    counts, weights, depths, agree, origin = (tree.counts, tree.weights, tree.depths,
+                                              tree.agree, tree.origin)
+    root_count = max(counts[0], 1)
     out: list[NodeEvidence | None] = [None]
-    for i in range(1, len(tree)):
-        c = max(tree.counts[i], 1)
-        out.append(NodeEvidence(tree.depths[i], tree.counts[i] / root_count,
-                                tree.weights[i] / c, root_count, tree.agree[i], recent,
-                                acceptance_source(tree.origin[i]) if tree.origin[i] else ""))
+    add, make, name_of = out.append, NodeEvidence, acceptance_source
+    for i in range(1, len(counts)):
+        c, o = counts[i], origin[i]
+        add(make(depths[i], c / root_count, weights[i] / (c if c > 1 else 1), root_count,
+                 agree[i], recent, name_of(o) if o else ""))
     return out
 
 

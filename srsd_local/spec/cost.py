@@ -53,6 +53,7 @@ class CostModel:
         self.steps = 0  # steps observed
         self.confirmed = np.full(len(self.sizes), -np.inf)  # step of the last confirmation
         self.surprises = 0  # steps far faster than their estimate (estimate replaced)
+        self._sizes_for: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._update()
 
     def _update(self, shape_changed: bool = True) -> None:
@@ -62,14 +63,15 @@ class CostModel:
         if not shape_changed:
             self._seconds = None  # scaled again when next read
             return
-        t1 = self.raw[0]
-        t = np.clip(self.raw, t1, t1 * self.sizes)
-        cap = np.inf
-        for k in range(len(t) - 1, -1, -1):
-            if np.isfinite(self.confirmed[k]):
+        t1 = float(self.raw[0])
+        t = np.clip(self.raw, t1, t1 * self.sizes).tolist()  # plain Python below: a dozen
+        cap = np.inf  # points, every tree step, on caches a forward pass just flushed
+        for k, conf in zip(range(len(t) - 1, -1, -1), self.confirmed[::-1].tolist()):
+            if conf != -np.inf:
                 cap = min(cap, t[k])
-            else:
-                t[k] = min(t[k], cap)
+            elif t[k] > cap:
+                t[k] = cap
+        t = np.array(t)
         self._shape = t
         self._t1 = float(self._shape[0])
         self._seconds = None
@@ -110,23 +112,40 @@ class CostModel:
         that costs least (`size`), and costs what m does (`cost`, never decreasing in n).
         Past the last profiled size: extrapolated, not padded. With `explore`, stale points
         take an optimistic guess (never above their estimate)."""
-        n = np.arange(n_max + 1)
+        size, idx, exact = self._plan_sizes(n_max)
         sec = self.seconds
         if explore:
             guess = self.seconds[0] * (1.0 + OPTIMISTIC_SLOPE * (self.sizes - 1))
             sec = np.where(self.stale(), np.minimum(sec, guess), sec)
-        idx = np.searchsorted(self.sizes, n)
-        inside = (idx < len(self.sizes)) & (n >= 1)
-        size = np.where(inside, self.sizes[np.minimum(idx, len(self.sizes) - 1)], n)
-        size = np.where(size > n_max, n, size)  # no room to pad to the next profiled size
-        cost = self._base(size, sec) + self._per_token(ctx) * size
-        # the cheapest size from n on (ties: the smallest)
+        # a profiled size costs its point (what interpolating at it gives); other sizes
+        # (none, or past the last point, or with no room to pad) are interpolated
+        cost = np.where(exact, sec[idx], 0.0)
+        other = ~exact
+        cost[other] = self._base(size[other], sec)
+        cost += self._per_token(ctx) * size
+        # the cheapest size from n on (ties: the smallest): the first n' >= n whose cost is
+        # the least from n' on
         best = np.minimum.accumulate(cost[::-1])[::-1]
-        at = np.arange(n_max + 1)
-        for k in range(n_max - 1, 0, -1):  # plain Python over a few dozen entries
-            if cost[k] > best[k]:
-                at[k] = at[k + 1]
+        at = np.where(cost <= best, np.arange(n_max + 1), n_max)
+        at = np.minimum.accumulate(at[::-1])[::-1]
+        at[0] = 0
         return best, size[at]
+
+    def _plan_sizes(self, n_max: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For n = 0..n_max: the profiled size m >= n a step of n tokens is padded to (n
+        itself where there is none within n_max), that size's profile index, and whether
+        it is a profiled size. Depends on n_max alone: cached."""
+        got = self._sizes_for.get(n_max)
+        if got is None:
+            n = np.arange(n_max + 1)
+            idx = np.searchsorted(self.sizes, n)
+            inside = (idx < len(self.sizes)) & (n >= 1)
+            idx = np.minimum(idx, len(self.sizes) - 1)
+            size = np.where(inside, self.sizes[idx], n)
+            exact = inside & (size <= n_max)
+            size = np.where(exact, size, n)  # no room to pad to the next profiled size
+            got = self._sizes_for[n_max] = (size, idx, exact)
+        return got
 
     def table(self, n_max: int, ctx: int | None = None, explore: bool = False) -> np.ndarray:
         """The cost of n = 0..n_max tokens (see `plan_table`)."""
@@ -138,8 +157,8 @@ class CostModel:
 
     def can_explore(self, n_max: int) -> bool:
         """Whether some size up to n_max is stale (worth an exploratory plan)."""
-        upto = self.sizes <= max(n_max, 1)
-        return bool(np.any(self.stale() & upto))
+        k = int(np.searchsorted(self.sizes, max(n_max, 1), "right"))  # sizes <= n_max
+        return self.steps - float(self.confirmed[:k].min()) > STALE_STEPS
 
     def observe(self, n: int, seconds: float, ctx: int | None = None) -> None:
         """Correct the profile with a measured step time: a plain step (n=1) rescales the

@@ -30,6 +30,7 @@ def origin_name(bits: int) -> str:
     return "+".join(name for bit, name in ORIGINS.items() if bits & bit) or "none"
 
 
+@lru_cache(maxsize=256)  # a node's bits: 8 sources
 def acceptance_source(bits: int) -> str:
     """The source a node's acceptance is learned under: a node that hidden-state retrieval
     proposed counts as retrieval's (with "grammar" when a grammar forces it too) whatever

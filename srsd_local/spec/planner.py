@@ -43,23 +43,35 @@ def _path_probs(tree: TokenTree, q: Sequence[float], depth_scale: Sequence[float
                 ) -> list[float]:
     """P(node accepted) = P(parent accepted) * q[node], with `q` as `_sibling_normalised`
     returns it. `depth_scale[d]` corrects the probabilities of depth d (see
-    DepthCalibration); a node never gets more likely than its parent. Plain Python: trees
-    have a few dozen nodes, and this runs on every step."""
+    DepthCalibration); a node never gets more likely than its parent."""
+    return _path_probs3(tree, q, q, depth_scale)[1 if depth_scale is not None else 2]
+
+
+def _path_probs3(tree: TokenTree, q: Sequence[float], q_rep: Sequence[float],
+                 depth_scale: Sequence[float] | None) -> tuple[list[float], list[float],
+                                                              list[float]]:
+    """`_path_probs` of q and of q_rep with `depth_scale`, and of q_rep without it, in one
+    pass. Plain Python: trees have a few dozen nodes, and this runs on every plan."""
     parents, depths = tree.parents, tree.depths
     n = len(parents)
-    raw = [1.0] * n
-    p = [1.0] * n
-    scale = None if depth_scale is None else [float(v) for v in depth_scale]
-    last = 0 if scale is None else len(scale) - 1
+    raw, raw_rep = [1.0] * n, [1.0] * n
+    p, p_rep, p_raw = [1.0] * n, [1.0] * n, [1.0] * n
+    scale = [1.0] if depth_scale is None else [float(v) for v in depth_scale]
+    last = len(scale) - 1
     for i in range(1, n):  # parents come before children
         par = parents[i]
+        d = depths[i]
+        s = scale[d if d < last else last]
         r = raw[par] * q[i]
         raw[i] = r
-        if scale is not None:
-            d = depths[i]
-            r *= scale[d if d < last else last]
-        p[i] = min(p[par], r, 1.0)
-    return p
+        r *= s
+        p[i] = r if r < p[par] and r < 1.0 else min(p[par], 1.0)
+        r = raw_rep[par] * q_rep[i]
+        raw_rep[i] = r
+        p_raw[i] = r if r < p_raw[par] and r < 1.0 else min(p_raw[par], 1.0)
+        r *= s
+        p_rep[i] = r if r < p_rep[par] and r < 1.0 else min(p_rep[par], 1.0)
+    return p, p_rep, p_raw
 
 
 def choose(tree: TokenTree, q: Sequence[float], cost: np.ndarray, max_branches: int,
@@ -76,20 +88,23 @@ def choose(tree: TokenTree, q: Sequence[float], cost: np.ndarray, max_branches: 
     evidence (computed here when not given), carried over to the chosen nodes.
     """
     n_nodes = len(tree)
-    qn = _sibling_normalised(tree, q)
-    p = _path_probs(tree, qn, depth_scale)
-    qn_rep = qn if q_report is None else _sibling_normalised(tree, q_report)
-    p_rep = _path_probs(tree, qn_rep, depth_scale)
-    p_raw = _path_probs(tree, qn_rep)
+    chain = tree.depths[-1] == n_nodes - 1  # one path: no siblings to normalise
+    qn = q if chain else _sibling_normalised(tree, q)
+    qn_rep = qn if q_report is None else q_report if chain else \
+        _sibling_normalised(tree, q_report)
+    p, p_rep, p_raw = _path_probs3(tree, qn, qn_rep, depth_scale)
     depths = tree.depths
-    order = sorted(range(1, n_nodes), key=lambda i: (-p[i], depths[i], i))
+    # a chain's p never grows along it, and ties go to the shallower node: its own order
+    order = range(1, n_nodes) if chain else \
+        sorted(range(1, n_nodes), key=lambda i: (-p[i], depths[i], i))
     # the nodes that fit, in that order: a node whose parent was left out, or that would open
     # a branch past max_branches, is skipped before any size is scored, so the plan verifies
     # exactly the nodes it was scored with
-    kept: list[int] = []
+    cost = cost.tolist() if isinstance(cost, np.ndarray) else cost  # Python floats below
+    kept: list[int] = list(range(1, min(n_nodes, len(cost) - 1))) if chain else []
     has_child: set[int] = set()
     taken, leaves = {0}, 1
-    for node in order:
+    for node in () if chain else order:
         if len(kept) >= len(cost) - 2:
             break
         parent = tree.parents[node]

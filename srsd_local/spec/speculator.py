@@ -223,10 +223,8 @@ class Speculator:
     def _plan(self, tree: TokenTree, req: Request, room: int, ctx: int, offset: int = 0,
               gain: float = 0.0, copy_from: int | None = None) -> Plan:
         ev = evidence(tree, req.recent)
-        acc = self.acceptance
-        both = [acc.q_both(e, req.mode, req.greedy) for e in ev[1:]]
-        q = [1.0] + [b[1] for b in both]
-        q_mean = [1.0] + [b[0] for b in both]
+        means, explores = self.acceptance.q_all(ev, req.mode, req.greedy)
+        q, q_mean = [1.0, *explores], [1.0, *means]
         n_max = min(room, len(tree) - 1) + 1
         if self.cost.surprises != self._surprises:  # an estimate was far too high: look
             self._surprises = self.cost.surprises  # for more of them in the next plans
