@@ -86,6 +86,32 @@ def test_rows_added_one_at_a_time_are_stored_lazily_and_found_like_a_batch(backe
     assert lazy.search(x[7], 2).positions.tolist() in ([7, 262], [262, 7])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_handed_over_without_a_copy_are_indexed_like_copied_ones(backend):
+    # the decode loop hands each step's own float32 rows over (copy=False): kept as they
+    # are, at consecutive positions, found exactly as rows the index copied
+    x = _data(120) + 1.0
+    copied, owned = VectorIndex(32, 400, backend), VectorIndex(32, 400, backend)
+    copied.add(x[:40], 0)
+    owned.add(x[:40], 0)
+    mine = []
+    for start in range(40, 120, 8):  # single rows and short paths, as steps add them
+        rows = np.ascontiguousarray(x[start: start + 8], dtype=np.float32)
+        copied.add(rows.copy(), start)
+        owned.add(rows[:1].copy(), start, copy=False)
+        kept = rows[1:].copy()
+        owned.add(kept, start + 1, copy=False)
+        mine.append(kept)
+    assert len(owned) == len(copied) == 120
+    assert any(p is mine[-1] for p in owned._pending)  # kept, not copied
+    for q in (x[3], x[57], x[119], _data(1, seed=9)[0]):
+        a, b = owned.search(q, 5), copied.search(q, 5)
+        assert a.positions.tolist() == b.positions.tolist()
+        np.testing.assert_allclose(a.scores, b.scores, atol=1e-6)
+    with pytest.raises(ValueError, match="full"):
+        VectorIndex(32, 2, backend).add(x[:3].astype(np.float32), 0, copy=False)
+
+
 def test_centre_is_estimated_once_from_the_first_rows():
     x = _data() + 5.0  # a shared offset that would dominate cosine similarity
     idx = VectorIndex(32, 400, "numpy")

@@ -194,6 +194,10 @@ class Backend:
             self._b_logits = np.ctypeslib.as_array(self._batch.logits, shape=(cap,))
             self._b_seq = [np.ctypeslib.as_array(self._batch.seq_id[i], shape=(config.seq_max,))
                            for i in range(cap)]
+            # the plain step writes its one token through ctypes pointers (fewer calls into
+            # numpy on caches a forward pass just flushed)
+            b = self._batch
+            self._p_one = (b.token, b.pos, b.logits, b.n_seq_id, b.seq_id[0])
             self._piece_cache: dict[int, bytes] = {}
             self._eog: dict[int, bool] = {}
             self._views: dict[tuple[int | None, int], np.ndarray] = {}
@@ -397,13 +401,9 @@ class Backend:
         """Decode one token of sequence `seq` at position `pos` with its logits."""
         if pos >= self.n_ctx:
             raise ContextFullError(f"context is full: {pos + 1} tokens, n_ctx={self.n_ctx}")
-        b = self._batch
-        b.n_tokens = 1
-        self._b_tok[0] = token
-        self._b_pos[0] = pos
-        self._b_logits[0] = 1
-        self._b_nseq[0] = 1
-        self._b_seq[0][0] = seq
+        self._batch.n_tokens = 1
+        tok, p, logits, nseq, seq0 = self._p_one
+        tok[0], p[0], logits[0], nseq[0], seq0[0] = token, pos, 1, 1, seq
         if self.capture is not None:
             self.capture.reset()
         self._decode_batch(1)

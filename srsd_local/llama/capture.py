@@ -135,6 +135,8 @@ class CompiledCapture:
         self._lib = ctypes.CDLL(str(lib_path))
         self.layers = [layer]
         self._buf = np.zeros(max_rows * n_embd, dtype=np.float32)
+        self._n_embd = n_embd
+        self._rows32 = self._buf.reshape(max_rows, n_embd)  # the usual case: float32 rows
         st = self._state = _CState()
         st.get_name = ctypes.cast(ggml.ggml_get_name, ctypes.c_void_p).value
         st.nbytes = ctypes.cast(ggml.ggml_nbytes, ctypes.c_void_p).value
@@ -164,8 +166,11 @@ class CompiledCapture:
         st = self._state
         if st.overflow:
             raise RuntimeError("hidden-state capture buffer overflow")
-        if st.rows == 0:
+        rows = st.rows
+        if rows == 0:
             return None
+        if st.type == _GGML_TYPE_F32 and st.ne0 == self._n_embd:  # one copy, no reshaping
+            return self._rows32[:rows].copy()
         if st.type == _GGML_TYPE_F16:
             raw = self._buf.view(np.float16)[: st.rows * st.ne0]
         elif st.type == _GGML_TYPE_F32:

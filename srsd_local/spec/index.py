@@ -150,24 +150,40 @@ class VectorIndex:
             self._buf = buf
 
     # -- API --------------------------------------------------------------------------------
-    def add(self, rows: np.ndarray, positions: np.ndarray | list[int] | int) -> None:
+    def add(self, rows: np.ndarray, positions: np.ndarray | list[int] | int,
+            copy: bool = True) -> None:
         """Index new rows (only the new ones) for the given context positions (an int:
-        consecutive positions from there). They are stored when a search needs them."""
-        x = np.array(rows, dtype=np.float32).reshape(-1, self.dim)  # a copy: kept pending
+        consecutive positions from there). They are stored when a search needs them.
+        `copy=False`: `rows` is a float32 [k, dim] array the caller hands over (never
+        written afterwards), kept pending as it is: the decode loop's call on every step,
+        in as few numpy calls as it takes."""
+        if copy or rows.dtype != np.float32 or rows.ndim != 2:
+            x = np.array(rows, dtype=np.float32).reshape(-1, self.dim)  # kept pending
+        else:
+            x = rows
+        k = len(x)
         if isinstance(positions, (int, np.integer)):
-            positions = np.arange(positions, positions + len(x), dtype=np.int64)
+            start = int(positions)
         else:
             positions = np.asarray(positions, dtype=np.int64).reshape(-1)
-        if len(x) != len(positions):
-            raise ValueError(f"index.add got {len(x)} rows for {len(positions)} positions")
-        if self._n + len(x) > self.capacity:
-            raise ValueError(f"index is full: {self._n} + {len(x)} rows > capacity "
+            if k != len(positions):
+                raise ValueError(f"index.add got {k} rows for {len(positions)} positions")
+            start = None
+        if self._n + k > self.capacity:
+            raise ValueError(f"index is full: {self._n} + {k} rows > capacity "
                              f"{self.capacity} (the context size)")
-        self._centre_on(x)
-        self._grow(self._n + len(x))
-        self._pos[self._n: self._n + len(x)] = positions
+        if self.center is None:
+            self._centre_on(x)
+        if self._n + k > len(self._pos):
+            self._grow(self._n + k)
+        if start is None:
+            self._pos[self._n: self._n + k] = positions
+        elif k == 1:
+            self._pos[self._n] = start
+        else:
+            self._pos[self._n: self._n + k] = range(start, start + k)
         self._pending.append(x)
-        self._n += len(x)
+        self._n += k
         if self._n - self._stored >= MAX_PENDING:
             self._flush()
 
