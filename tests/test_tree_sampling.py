@@ -312,3 +312,33 @@ def test_top_k_selection_matches_a_full_sort(n, k, levels):
         v = np.round(v * levels / 3).astype(np.float32)
     ref = np.sort(np.argsort(-v, kind="stable")[:k])
     assert _top(v, k).tolist() == ref.tolist()
+
+
+def test_emitting_without_stop_strings_equals_token_by_token_emission():
+    """With no stop string a step's text is decoded in one go: the same text, tokens,
+    flags and finish as token by token (the path stop strings take), multi-byte
+    characters split across tokens and invalid bytes included."""
+    from srsd_local.engine.emit import Emitter
+
+    rng = np.random.default_rng(11)
+    alphabet = [b"a", b" b", "é".encode(), "日".encode()[:1], "日".encode()[1:], b"\xff",
+                "😀".encode()[:2], "😀".encode()[2:], b"\n", b"xyz"]
+    eog = len(alphabet)  # one more token: end of generation
+    piece = (lambda t: b"" if t == eog else alphabet[t])
+    for trial in range(300):
+        max_tokens = int(rng.integers(1, 30))
+        steps = [rng.integers(0, eog + (trial % 3 == 0), size=int(rng.integers(1, 7)))
+                 .tolist() for _ in range(12)]
+        runs = []
+        for stops in ([], ["\x00never"]):
+            em = Emitter(piece, lambda t: t == eog, max_tokens, stops)
+            text, ids, flags, finish = "", [], [], None
+            for k, step in enumerate(steps):
+                out = em.push(step, [True] * (len(step) - 1) + [False],
+                              out_of_room=(k == 11))
+                text, ids, flags = text + out.text, ids + out.token_ids, flags + out.drafted
+                if out.finish_reason is not None:
+                    finish = out.finish_reason
+                    break
+            runs.append((text, ids, flags, finish, em.count))
+        assert runs[0] == runs[1], trial

@@ -26,8 +26,16 @@ class TextStream:
         self._piece = piece
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
+    @property
+    def piece(self) -> Callable[[int], bytes]:
+        return self._piece
+
     def push(self, token: int) -> str:
         return self._dec.decode(self._piece(token))
+
+    def decode(self, data: bytes) -> str:
+        """The text of several tokens' bytes at once."""
+        return self._dec.decode(data)
 
     def flush(self) -> str:
         return self._dec.decode(b"", final=True)
@@ -90,6 +98,8 @@ class Emitter:
              ) -> Emitted:
         """Emit tokens in order until EOS, a stop string or max_tokens; `out_of_room`: the
         context cannot take another token, so the generation ends after these."""
+        if not self.scan.stops:  # no stop string: the text can be decoded in one go
+            return self._push_plain(tokens, drafted, out_of_room)
         ids, flags, chunks, finish, hit = [], [], [], None, False
         for tok, was_draft in zip(tokens, drafted):
             if self.is_eog(tok):
@@ -113,3 +123,26 @@ class Emitter:
             chunks.append(safe if hit else safe + self.scan.flush())
             finish = "stop" if hit else finish
         return Emitted("".join(chunks), ids, flags, finish)
+
+    def _push_plain(self, tokens: Sequence[int], drafted: Sequence[bool], out_of_room: bool
+                    ) -> Emitted:
+        """`push` without stop strings: the tokens up to EOS or max_tokens, their text
+        decoded in one call (what decoding them one by one gives, joined)."""
+        n = len(tokens)
+        for i, tok in enumerate(tokens):
+            if self.is_eog(tok):
+                n, finish = i, "stop"
+                break
+        else:
+            finish = None
+        if self.count + n >= self.max_tokens and n:
+            n, finish = self.max_tokens - self.count, "length"
+        ids = list(tokens[:n])
+        self.count += n
+        piece = self.text.piece
+        text = self.text.decode(b"".join([piece(t) for t in ids]))
+        if finish is None and out_of_room:
+            finish = "length"
+        if finish is not None:
+            text += self.text.flush()
+        return Emitted(text, ids, list(drafted[:n]), finish)

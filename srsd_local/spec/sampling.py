@@ -150,8 +150,8 @@ class Sampler:
         self._scratch: np.ndarray | None = None  # temperature alone: the row's weights
 
     def __call__(self, logits: np.ndarray) -> int:
-        if self.params.greedy:
-            return int(np.argmax(logits))
+        if self.params.greedy:  # (the method: fewer Python layers than np.argmax)
+            return int(logits.argmax())
         if _temperature_only(self.params):  # the distribution `distribution` gives, drawn
             # from unnormalised weights in a scratch row (no allocation, no normalising pass)
             x = np.asarray(logits, dtype=np.float32).reshape(-1)
