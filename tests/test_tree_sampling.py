@@ -324,7 +324,10 @@ def test_emitting_without_stop_strings_equals_token_by_token_emission():
     alphabet = [b"a", b" b", "é".encode(), "日".encode()[:1], "日".encode()[1:], b"\xff",
                 "😀".encode()[:2], "😀".encode()[2:], b"\n", b"xyz"]
     eog = len(alphabet)  # one more token: end of generation
-    piece = (lambda t: b"" if t == eog else alphabet[t])
+
+    def piece(t: int) -> bytes:
+        return b"" if t == eog else alphabet[t]
+
     for trial in range(300):
         max_tokens = int(rng.integers(1, 30))
         steps = [rng.integers(0, eog + (trial % 3 == 0), size=int(rng.integers(1, 7)))
