@@ -5,7 +5,7 @@ Layout of the cache directory (``environment().cache_dir``):
 - ``profiles/<key>.json``: measured step costs of a model on a machine (the cost model)
 - ``acceptance/<model>.json``: acceptance counts learned by earlier runs
 - ``calibration/<model>.json``: the calibrated retrieval layer and tree settings
-- ``capture/capture-<hash>.so``: the compiled eval callback
+- ``capture/<name>-<hash>.so``: compiled helpers (the eval callback, the sampling kernels)
 - ``models/``: the assembled default model when there is no source checkout
 - ``llama-server/<version>/llama-server``: llama.cpp's server, built for the benchmark's
   peer modes by scripts/build_llama_server.sh
@@ -19,9 +19,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +76,26 @@ def file_key(file: str | Path) -> str:
     return hashlib.sha1(f"{p}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
 
 
+@lru_cache(maxsize=1)
+def machine_id() -> str:
+    """CPU model and flags (a hash of them) and the machine type: what is measured or built
+    for one machine is never used on another."""
+    cpu, flags = platform.processor(), ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    cpu = value.strip()
+                elif key.strip() in ("flags", "Features"):
+                    flags = value.strip()
+                    break
+    except OSError:
+        pass
+    digest = hashlib.sha1(flags.encode()).hexdigest()[:12]
+    return f"{platform.machine()}|{cpu}|{digest}"
+
+
 def _compiler() -> str | None:
     for cand in (environment().cc, "cc", "gcc", "clang"):
         if cand and shutil.which(cand):
@@ -81,11 +103,13 @@ def _compiler() -> str | None:
     return None
 
 
-def compiled_library(name: str, source: bytes, flags: tuple[str, ...] = ("-O2",)
-                     ) -> Path | None:
+def compiled_library(name: str, source: bytes, flags: tuple[str, ...] = ("-O2",),
+                     per_machine: bool = False) -> Path | None:
     """A shared library built from C `source` with the system's C compiler, once, into the
-    cache (keyed by the source and flags); None when there is no compiler or it fails."""
-    key = hashlib.sha1(source + " ".join(flags).encode()).hexdigest()[:12]
+    cache (keyed by the source and flags, and by the machine with `per_machine`: a build
+    for this CPU's instruction set); None when there is no compiler or it fails."""
+    salt = " ".join(flags) + (machine_id() if per_machine else "")
+    key = hashlib.sha1(source + salt.encode()).hexdigest()[:12]
     out = path("capture", f"{name}-{key}.so")
     if out.exists():
         return out

@@ -167,11 +167,47 @@ def test_temperature_only_sampler_draws_what_the_distribution_gives(n_vocab):
     row = rng.normal(scale=3.0, size=n_vocab).astype(np.float32)
     params = SamplingParams(temperature=0.9, seed=17)
     s = Sampler(params)
+    s._kernel = None  # numpy's path (the compiled kernel's: the test below)
     ids, p = distribution(row, params)
     u = np.random.default_rng(17)  # the sampler's generator, replayed
     draws = [s(row) for _ in range(500)]
     assert draws == [int(ids[_pick(p, u.random())]) for _ in range(500)]
     assert len(set(draws)) > (3 if n_vocab == 5 else 100)  # really random
+
+
+@pytest.mark.parametrize("n_vocab", [3, 700, 262_144])
+def test_the_compiled_temperature_kernel_draws_by_the_exact_distribution(n_vocab):
+    """Each draw of the kernel is the token the exact (float64) inverse CDF gives at its
+    uniform number, up to float32 rounding of the weights (1e-5 of the mass); tokens at -inf
+    are never drawn; the sampler uses it for temperature alone where it could be built."""
+    from srsd_local.spec import kernels
+
+    kern = kernels.temperature_kernel(0.7)
+    if kern is None:
+        pytest.skip("no C compiler: the sampler uses numpy (tested above)")
+    rng = np.random.default_rng(8)
+    row = (rng.normal(scale=4.0, size=n_vocab)).astype(np.float32)
+    row[::7] = -np.inf
+    p = np.exp((row.astype(np.float64) - row.max()) / 0.7)
+    cdf = np.cumsum(p / p.sum())
+    for u in rng.random(3000):
+        i = kern(row, float(u))
+        assert np.isfinite(row[i])
+        lo = cdf[i - 1] if i else 0.0
+        assert lo - 1e-5 <= u < cdf[i] + 1e-5, (u, i)
+    # two tokens: the draw flips where the first one's probability ends: the second one's
+    # weight exp(-gap / 0.7) is right to 1e-6 relative, over the whole range of gaps, but
+    # for what rounding gap / 0.7 to float32 costs (as in numpy's float32 path)
+    for gap in np.linspace(0.01, 11.0, 400, dtype=np.float32):  # (weights down to 1.5e-7)
+        w = np.exp(-np.float64(gap) / 0.7)
+        edge = 1.0 / (1.0 + w)
+        tol = edge * (1.0 - edge) * (1e-6 + 1.5e-7 * gap / 0.7)
+        two = np.array([0.0, -gap], np.float32)
+        assert kern(two, edge - tol) == 0 and kern(two, edge + tol) == 1, gap
+    assert kern(np.array([5.0, 5.0, -np.inf, 5.0], np.float32), 0.999) == 3
+    assert kern(np.array([0.0, -70.0], np.float32), 1.0 - 1e-12) == 0  # e^-100: underflows
+    assert Sampler(SamplingParams(temperature=0.7, seed=1))._kernel is not None
+    assert Sampler(SamplingParams(temperature=0.7, top_k=5))._kernel is None
 
 
 @pytest.mark.parametrize("n_vocab,n_high", [(5000, 5000), (60_000, 3000), (60_000, 20_000)])

@@ -5,37 +5,16 @@ load (measured again when they disagree), corrected by real steps and saved back
 from __future__ import annotations
 
 import hashlib
-import platform
-from functools import lru_cache
 
 from .. import store
 from ..config import SRSDConfig
 from ..llama.backend import Backend, device_names
 from ..spec.cost import CostModel
+from ..store import machine_id
 
 # every size up to 16 (on a CPU, sizes that are not a multiple of the matrix kernels' tile
 # cost more than the next one that is: steps are padded to the cheapest profiled size)
 PROFILE_SIZES = (*range(1, 17), 20, 24, 28, 32, 48, 64, 96, 128)
-
-
-@lru_cache(maxsize=1)
-def machine_id() -> str:
-    """CPU model and flags (a hash of them) and the machine type: a profile measured on one
-    machine is never used on another."""
-    cpu, flags = platform.processor(), ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    cpu = value.strip()
-                elif key.strip() in ("flags", "Features"):
-                    flags = value.strip()
-                    break
-    except OSError:
-        pass
-    digest = hashlib.sha1(flags.encode()).hexdigest()[:12]
-    return f"{platform.machine()}|{cpu}|{digest}"
 
 
 def profile_name(backend: Backend, cfg: SRSDConfig) -> tuple[str, str, list[int]]:

@@ -192,12 +192,12 @@ class Backend:
             self._b_pos = np.ctypeslib.as_array(self._batch.pos, shape=(cap,))
             self._b_nseq = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(cap,))
             self._b_logits = np.ctypeslib.as_array(self._batch.logits, shape=(cap,))
-            self._b_seq = [np.ctypeslib.as_array(self._batch.seq_id[i], shape=(config.seq_max,))
-                           for i in range(cap)]
-            # the plain step writes its one token through ctypes pointers (fewer calls into
-            # numpy on caches a forward pass just flushed)
+            # the plain step writes its one token, and every step its rows' sequence ids,
+            # through ctypes pointers (fewer calls into numpy on caches a forward pass just
+            # flushed)
             b = self._batch
             self._p_one = (b.token, b.pos, b.logits, b.n_seq_id, b.seq_id[0])
+            self._p_seq = [b.seq_id[i] for i in range(cap)]  # per row: its ids' array
             self._piece_cache: dict[int, bytes] = {}
             self._eog: dict[int, bool] = {}
             self._views: dict[tuple[int | None, int], np.ndarray] = {}
@@ -430,14 +430,16 @@ class Backend:
         self._b_tok[:m] = toks
         self._b_pos[:m] = pos
         self._b_logits[:m] = flags
+        rows = self._p_seq  # ctypes pointers: no numpy call per row
         if seq_ids is None:
             self._b_nseq[:m] = 1
             for i in range(m):
-                self._b_seq[i][0] = 0
+                rows[i][0] = 0
         else:
-            for i, ids in enumerate(seq_ids):
-                self._b_nseq[i] = len(ids)
-                self._b_seq[i][: len(ids)] = ids
+            self._b_nseq[:m] = [len(ids) for ids in seq_ids]
+            for row, ids in zip(rows, seq_ids):
+                for j, s in enumerate(ids):
+                    row[j] = s
 
     def _decode_batch(self, m: int) -> None:
         t0 = time.perf_counter()

@@ -13,6 +13,7 @@ from typing import Protocol
 import numpy as np
 
 from ..config import SamplingParams
+from .kernels import temperature_kernel
 
 _HEAD = 512  # candidates sorted first when looking for the top-p nucleus
 CUTOFF = 30.0  # logits (x temperature) below the best (admitted) token that still count
@@ -148,10 +149,15 @@ class Sampler:
         self.params = params
         self.rng = np.random.default_rng(params.seed)
         self._scratch: np.ndarray | None = None  # temperature alone: the row's weights
+        # temperature alone: the compiled kernel where there is one (kernels.py)
+        self._kernel = (temperature_kernel(params.temperature)
+                        if not params.greedy and _temperature_only(params) else None)
 
     def __call__(self, logits: np.ndarray) -> int:
         if self.params.greedy:  # (the method: fewer Python layers than np.argmax)
             return int(logits.argmax())
+        if self._kernel is not None:
+            return self._kernel(np.asarray(logits).reshape(-1), self.rng.random())
         if _temperature_only(self.params):  # the distribution `distribution` gives, drawn
             # from unnormalised weights in a scratch row (no allocation, no normalising pass)
             x = np.asarray(logits, dtype=np.float32).reshape(-1)

@@ -1,0 +1,94 @@
+/* Compiled kernels for the sampler (see kernels.py): one pass over a logits row where numpy
+ * makes several. Compiled on first use with the system's C compiler; Python falls back to
+ * numpy without one. Plain C, no intrinsics: the loops are written in lanes so compilers
+ * vectorise them without reassociating floating point (no -ffast-math), so a build gives the
+ * same results however wide its vectors are. */
+#include <stdint.h>
+
+#define LANES 8
+#define BLOCK 512 /* weights summed per block (the second level of the pick) */
+
+/* exp(x) for x <= 0 in float32: 2^k * p(r) with r = x - k ln2 (|r| <= ln2 / 2, ln2 split in
+ * two parts) and p the degree-6 Taylor polynomial (relative error below 3e-7); 0 below -87
+ * (where float32 underflows). Branch-free, so the loops that call it vectorise. */
+typedef union { int32_t i; float f; } bits32;
+
+static inline float exp_nonpos(float x) {
+    /* below -87 (-inf included): clamped there, its weight zeroed; integer selects, as a
+     * float compare-and-branch keeps some compilers from vectorising the loop */
+    const int32_t lim = -1028784128; /* the bits of -87.0f as an int32 */
+    bits32 v = {.f = x};
+    const int32_t over = ((v.i >> 31) & 1) & (((lim - v.i) >> 31) & 1); /* x < -87 */
+    const int32_t mask = -over;
+    v.i = (v.i & ~mask) | (lim & mask);
+    x = v.f;
+    const float t = x * 1.44269504088896341f;
+    const int32_t k = (int32_t)(t - 0.5f); /* round half away from zero, t <= 0 */
+    const float kf = (float)k;
+    const float r = (x - kf * 0.693359375f) + kf * 2.12194440e-4f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    bits32 scale = {.i = ((k + 127) << 23) & ~mask};
+    return p * scale.f; /* a zero scale below -87 */
+}
+
+static float row_max(const float *x, int64_t n) {
+    float lane[LANES];
+    int64_t i = 0;
+    for (int j = 0; j < LANES; ++j) lane[j] = x[0];
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; ++j) lane[j] = lane[j] > x[i + j] ? lane[j] : x[i + j];
+    float m = lane[0];
+    for (int j = 1; j < LANES; ++j) m = m > lane[j] ? m : lane[j];
+    for (; i < n; ++i) m = m > x[i] ? m : x[i];
+    return m;
+}
+
+/* The sum of the weights exp((x[i] - m) * inv_t) for i in [lo, hi) (hi - lo <= BLOCK),
+ * in double: the weights into a buffer (a loop of independent iterations, which compilers
+ * vectorise), then summed in lanes. */
+static double block_sum(const float *x, int64_t lo, int64_t hi, float m, float inv_t) {
+    float w[BLOCK];
+    const int64_t len = hi - lo;
+    const float *xs = x + lo;
+    for (int64_t i = 0; i < len; ++i) w[i] = exp_nonpos((xs[i] - m) * inv_t);
+    float lane[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= len; i += LANES)
+        for (int j = 0; j < LANES; ++j) lane[j] += w[i + j];
+    double s = 0.0;
+    for (int j = 0; j < LANES; ++j) s += lane[j];
+    for (; i < len; ++i) s += w[i];
+    return s;
+}
+
+/* A token drawn with probability proportional to exp((x[i] - max x) / temperature), given
+ * inv_t = 1 / temperature and u uniform in [0, 1): the first i whose cumulative weight
+ * exceeds u times the total. `sums` holds n / BLOCK + 1 doubles (scratch). */
+int64_t srsd_sample_temperature(const float *x, int64_t n, float inv_t, double u,
+                                double *sums) {
+    if (n <= 0) return -1;
+    const float m = row_max(x, n);
+    const int64_t n_blocks = (n + BLOCK - 1) / BLOCK;
+    double total = 0.0;
+    for (int64_t b = 0; b < n_blocks; ++b) {
+        const int64_t hi = (b + 1) * BLOCK < n ? (b + 1) * BLOCK : n;
+        sums[b] = block_sum(x, b * BLOCK, hi, m, inv_t);
+        total += sums[b];
+    }
+    const double target = u * total;
+    double before = 0.0;
+    int64_t b = 0;
+    for (; b < n_blocks - 1 && before + sums[b] <= target; ++b) before += sums[b];
+    const int64_t hi = (b + 1) * BLOCK < n ? (b + 1) * BLOCK : n;
+    for (int64_t i = b * BLOCK; i < hi; ++i) {
+        before += exp_nonpos((x[i] - m) * inv_t);
+        if (before > target) return i;
+    }
+    return hi - 1; /* rounding left the target at the block's very end */
+}

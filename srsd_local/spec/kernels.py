@@ -1,0 +1,74 @@
+"""Compiled sampling kernels (`_kernels.c`), built once with the system's C compiler into the
+cache; None where there is none (or SRSD_KERNELS=python), and the sampler uses numpy.
+
+Drawing a token at a temperature takes numpy five passes over a 262k-entry logits row (its
+maximum, the shift, the scaling, the exponential, the block sums), each writing a new row;
+the kernel reads the row twice (maximum, then weights summed per block) and writes nothing
+but the block sums. Its exponential is its own (a polynomial): it draws from the same
+distribution as numpy's, though not always the same token for the same seed, so one process
+uses one or the other throughout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from functools import lru_cache
+from importlib import resources
+
+import numpy as np
+
+from .. import store
+
+BLOCK = 512  # as in _kernels.c
+# vectorised (floating point never traps here) without contracting a * b + c into fused
+# operations, so every build computes the same weights; for this machine's vector width
+# first (built per machine), else for the architecture's baseline
+FLAGS = ("-O3", "-fno-trapping-math", "-ffp-contract=off")
+NATIVE = ("-march=native",)
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (no compiler, an unwritable cache, or disabled)."""
+    if os.environ.get("SRSD_KERNELS", "").lower() == "python":
+        return None
+    src = resources.files("srsd_local.spec").joinpath("_kernels.c").read_bytes()
+    lib = None
+    for flags, per_machine in ((FLAGS + NATIVE, True), (FLAGS, False)):
+        try:
+            path = store.compiled_library("kernels", src, flags, per_machine)
+            if path is not None:
+                lib = ctypes.CDLL(str(path))
+                break
+        except OSError:  # an unwritable cache, a library that does not load
+            continue
+    if lib is None:
+        return None
+    fn = lib.srsd_sample_temperature
+    fn.restype = ctypes.c_int64
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double,
+                   ctypes.c_void_p]
+    return lib
+
+
+class TemperatureKernel:
+    """Draws from softmax(logits / temperature) in one compiled call per row."""
+
+    def __init__(self, lib: ctypes.CDLL, temperature: float) -> None:
+        self._fn = lib.srsd_sample_temperature
+        self._inv_t = 1.0 / max(temperature, 1e-6)
+        self._sums = np.zeros(0)
+
+    def __call__(self, logits: np.ndarray, u: float) -> int:
+        x = logits if (logits.dtype == np.float32 and logits.flags.c_contiguous) else \
+            np.ascontiguousarray(logits, dtype=np.float32)
+        n = x.size
+        if len(self._sums) < n // BLOCK + 1:
+            self._sums = np.zeros(n // BLOCK + 1)
+        return int(self._fn(x.ctypes.data, n, self._inv_t, u, self._sums.ctypes.data))
+
+
+def temperature_kernel(temperature: float) -> TemperatureKernel | None:
+    lib = library()
+    return None if lib is None else TemperatureKernel(lib, temperature)
