@@ -86,6 +86,7 @@ class VectorIndex:
         self._buf: np.ndarray | None = None
         self._faiss_index = None
         self._gpu_res = None
+        self._result_arrays: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         if self.backend == "numpy":
             self._buf = np.zeros((len(self._pos), dim), dtype=np.float16)
         else:
@@ -124,13 +125,23 @@ class VectorIndex:
         if self.center is None:
             self.center = x.mean(axis=0) if len(x) > 1 else np.zeros(self.dim, np.float32)
 
-    def _flush(self) -> None:
-        """Store the pending rows."""
+    def _flush(self, query: np.ndarray | None = None) -> np.ndarray | None:
+        """Store the pending rows; with a `query` (a raw row), normalise it along with them
+        (one pass for both) and return it normalised ([1, dim])."""
         if not self._pending:
-            return
-        x = self._normalise(np.concatenate(self._pending) if len(self._pending) > 1
-                            else self._pending[0])
+            return None if query is None else self._normalise(query)
+        parts = self._pending if query is None else [*self._pending,
+                                                     np.reshape(query, (1, self.dim))]
+        x = self._normalise(np.concatenate(parts) if len(parts) > 1 else parts[0])
+        q = None
+        if query is not None:
+            x, q = x[:-1], x[-1:]
         self._pending = []
+        self._store(x)
+        return q
+
+    def _store(self, x: np.ndarray) -> None:
+        """Store normalised rows after those stored already."""
         if self._buf is not None:
             self._buf[self._stored: self._stored + len(x)] = x
         else:
@@ -192,16 +203,29 @@ class VectorIndex:
         k = min(k, self._n)
         if k <= 0:
             return Hits(np.zeros(0, np.int64), np.zeros(0, np.float32))
-        self._flush()
-        q = self._normalise(query)
+        q = self._flush(query)  # the rows added since the last search, and the query
         if self._buf is not None:
             scores = self._buf[: self._n].astype(np.float32) @ q[0]
             top = np.argpartition(-scores, k - 1)[:k] if k < self._n else np.arange(self._n)
             top = top[np.lexsort((top, -scores[top]))]
             return Hits(self._pos[top], scores[top].astype(np.float32))
-        d, i = self._faiss_index.search(q, k)
+        if self.backend == "faiss-cpu":  # the SWIG call itself: the Python wrapper
+            d, i = self._results(k)  # converts and allocates on every call
+            faiss = _faiss()
+            self._faiss_index.search_c(1, faiss.swig_ptr(q), k, faiss.swig_ptr(d),
+                                       faiss.swig_ptr(i), None)
+        else:
+            d, i = self._faiss_index.search(q, k)
         ok = i[0] >= 0
         return Hits(self._pos[i[0][ok]], d[0][ok].astype(np.float32))
+
+    def _results(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Arrays a search of k hits writes into (reused: its hits are copied out)."""
+        got = self._result_arrays.get(k)
+        if got is None:
+            got = self._result_arrays[k] = (np.empty((1, k), np.float32),
+                                            np.empty((1, k), np.int64))
+        return got
 
     def truncate(self, n: int) -> None:
         """Forget every position >= n (the context was trimmed)."""
