@@ -766,8 +766,10 @@ class Engine:
             # 5. commit: context tokens and hidden-state index; learn from the outcome
             slot.n_past = n + len(path)
             slot.ctx[n: n + len(path)] = path_tokens
-            if req.uses_index and w.hidden is not None:  # (the rows are this step's own)
-                rows = w.hidden if len(path) == len(w.hidden) == 1 else w.hidden[path]
+            if req.uses_index and w.hidden is not None:  # (the rows are this step's own;
+                # a path through the tree's first nodes, as a chain's always is: a view)
+                k = len(path)
+                rows = w.hidden[:k] if path[-1] == k - 1 else w.hidden[path]
                 slot.index.add(rows, n, copy=False)
                 slot.last_hidden = rows[-1]
             self.speculator.observe(req, plan, path)
