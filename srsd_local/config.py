@@ -36,13 +36,14 @@ def _float(name: str, value: Any, lo: float, hi: float) -> None:
 class Environment:
     """The environment variables the runtime reads (read here only, at call time):
 
-    - SRSD_CACHE_DIR: measured profiles, calibrations, the compiled capture callback
+    - SRSD_CACHE_DIR: measured profiles, calibrations, the compiled callback and kernel
       (default: $XDG_CACHE_HOME/srsd-local or ~/.cache/srsd-local)
     - SRSD_MODELS_DIR: where the default model is assembled (default: models/ of a source
       checkout, else <cache>/models)
     - SRSD_VERBOSE: non-empty shows llama.cpp's log
     - SRSD_CAPTURE: "python" forces the Python eval callback instead of the compiled one
-    - CC: the C compiler for the compiled callback (else cc, gcc or clang)
+    - SRSD_KERNELS: "python" samples with numpy instead of the compiled kernel
+    - CC: the C compiler for the compiled callback and kernel (else cc, gcc or clang)
 
     and, to find and download models where other tools keep them (the standard variables of
     those tools, read here at call time and handed to huggingface_hub explicitly):
@@ -61,6 +62,7 @@ class Environment:
     verbose: bool
     capture: str
     cc: str | None
+    kernels: str = "c"
     hf_endpoint: str = "https://huggingface.co"
     hf_cache: Path = Path("~/.cache/huggingface/hub")
     hf_offline: bool = False
@@ -85,6 +87,8 @@ def environment() -> Environment:
     return Environment(cache_dir=cache, models_dir=models, verbose=bool(env.get("SRSD_VERBOSE")),
                        capture="python" if env.get("SRSD_CAPTURE", "").lower() == "python"
                        else "c", cc=env.get("CC") or None,
+                       kernels="python" if env.get("SRSD_KERNELS", "").lower() == "python"
+                       else "c",
                        hf_endpoint=(env.get("HF_ENDPOINT") or "https://huggingface.co"
                                     ).rstrip("/"),
                        hf_cache=_path(hub_cache) if hub_cache else hf_home / "hub",

@@ -12,13 +12,13 @@ uses one or the other throughout.
 from __future__ import annotations
 
 import ctypes
-import os
 from functools import lru_cache
 from importlib import resources
 
 import numpy as np
 
 from .. import store
+from ..config import environment
 
 BLOCK = 512  # as in _kernels.c
 # vectorised (floating point never traps here) without contracting a * b + c into fused
@@ -31,7 +31,7 @@ NATIVE = ("-march=native",)
 @lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None (no compiler, an unwritable cache, or disabled)."""
-    if os.environ.get("SRSD_KERNELS", "").lower() == "python":
+    if environment().kernels == "python":
         return None
     src = resources.files("srsd_local.spec").joinpath("_kernels.c").read_bytes()
     lib = None
