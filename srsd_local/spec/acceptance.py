@@ -97,8 +97,11 @@ class AcceptanceModel:
 
     def q_both(self, ev: NodeEvidence, source: str, greedy: bool) -> tuple[float, float]:
         """(q, q_explore) from one lookup."""
-        mean, n = self._post(ev, source, greedy)
-        return mean, min(1.0, mean + self.bonus / (1.0 + n) ** 0.5)
+        return self._both(*self._post(ev, source, greedy))
+
+    def _both(self, mean: float, n_coarse: float) -> tuple[float, float]:
+        """(q, q_explore) from a posterior mean and the outcomes under its coarse key."""
+        return mean, min(1.0, mean + self.bonus / (1.0 + n_coarse) ** 0.5)
 
     def q_all(self, evs: Sequence[NodeEvidence | None], source: str, greedy: bool
               ) -> tuple[list[float], list[float]]:
@@ -106,13 +109,11 @@ class AcceptanceModel:
         up once (the nodes of a tree share most of theirs: a chain's deep nodes all do)."""
         memo: dict[tuple, tuple[float, float]] = {}
         means, explores = [], []
-        bonus = self.bonus
         for ev in evs[1:]:
             coarse, fine = ev.keys(source, greedy)
             got = memo.get(fine)
             if got is None:
-                mean, n = self._post_keys(coarse, fine)
-                got = memo[fine] = (mean, min(1.0, mean + bonus / (1.0 + n) ** 0.5))
+                got = memo[fine] = self._both(*self._post_keys(coarse, fine))
             means.append(got[0])
             explores.append(got[1])
         return means, explores

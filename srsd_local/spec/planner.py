@@ -39,19 +39,13 @@ def _sibling_normalised(tree: TokenTree, q: Sequence[float]) -> list[float]:
     return q
 
 
-def _path_probs(tree: TokenTree, q: Sequence[float], depth_scale: Sequence[float] | None = None
-                ) -> list[float]:
+def _path_probs(tree: TokenTree, q: Sequence[float], q_rep: Sequence[float],
+                depth_scale: Sequence[float] | None) -> tuple[list[float], list[float],
+                                                             list[float]]:
     """P(node accepted) = P(parent accepted) * q[node], with `q` as `_sibling_normalised`
-    returns it. `depth_scale[d]` corrects the probabilities of depth d (see
-    DepthCalibration); a node never gets more likely than its parent."""
-    return _path_probs3(tree, q, q, depth_scale)[1 if depth_scale is not None else 2]
-
-
-def _path_probs3(tree: TokenTree, q: Sequence[float], q_rep: Sequence[float],
-                 depth_scale: Sequence[float] | None) -> tuple[list[float], list[float],
-                                                              list[float]]:
-    """`_path_probs` of q and of q_rep with `depth_scale`, and of q_rep without it, in one
-    pass. Plain Python: trees have a few dozen nodes, and this runs on every plan."""
+    returns it, never more than its parent's: for q and for q_rep with `depth_scale[d]`
+    correcting depth d (see DepthCalibration), and for q_rep without it, in one pass.
+    Plain Python: trees have a few dozen nodes, and this runs on every plan."""
     parents, depths = tree.parents, tree.depths
     n = len(parents)
     raw, raw_rep = [1.0] * n, [1.0] * n
@@ -92,7 +86,7 @@ def choose(tree: TokenTree, q: Sequence[float], cost: np.ndarray, max_branches: 
     qn = q if chain else _sibling_normalised(tree, q)
     qn_rep = qn if q_report is None else q_report if chain else \
         _sibling_normalised(tree, q_report)
-    p, p_rep, p_raw = _path_probs3(tree, qn, qn_rep, depth_scale)
+    p, p_rep, p_raw = _path_probs(tree, qn, qn_rep, depth_scale)
     depths = tree.depths
     # a chain's p never grows along it, and ties go to the shallower node: its own order
     order = range(1, n_nodes) if chain else \
