@@ -112,6 +112,56 @@ def test_rows_handed_over_without_a_copy_are_indexed_like_copied_ones(backend):
         VectorIndex(32, 2, backend).add(x[:3].astype(np.float32), 0, copy=False)
 
 
+def _compiled_normalise():
+    from srsd_local.spec import kernels
+
+    kern = kernels.normalise_kernel()
+    if kern is None:
+        pytest.skip("no C compiler here: the index normalises with numpy")
+    return kern
+
+
+def test_the_compiled_normalisation_rounds_through_float16_exactly():
+    """Rows [1, v, 0, ...] have length 1 in float32, so the kernel's stored v is v rounded
+    to float16: it must be numpy's rounding bit for bit, over float16's normal and
+    subnormal ranges and at exact ties (which go to even)."""
+    kern = _compiled_normalise()
+    rng = np.random.default_rng(1)
+    v = (rng.uniform(2.0 ** -16, 2.0 ** -12, 20000) * rng.choice([-1, 1], 20000))
+    odd = 2 * rng.integers(1, 2 ** 11, 2000) + 1  # odd multiples of 2^-25: ties
+    v = np.concatenate([v, odd * 2.0 ** -25, -odd * 2.0 ** -25]).astype(np.float32)
+    rows = np.zeros((len(v), 8), np.float32)
+    rows[:, 0], rows[:, 3] = 1.0, v
+    out = np.empty_like(rows)
+    kern(rows, np.zeros(8, np.float32), out)
+    assert np.all(out[:, 0] == 1.0)
+    np.testing.assert_array_equal(out[:, 3], v.astype(np.float16).astype(np.float32))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_and_numpy_normalisation_store_the_same_rows_and_find_the_same(backend):
+    # the length's last bit may differ (another summation order): a stored value at most
+    # one float16 step apart, rarely; the hits are the same
+    _compiled_normalise()
+    x = _data(300, 64) + 0.5
+    fast, ref = VectorIndex(64, 400, backend), VectorIndex(64, 400, backend)
+    ref._kernel = None
+    for idx in (fast, ref):
+        idx.add(x[:100], 0)  # a prompt: stored at once
+        for i in range(100, 300, 3):  # steps: a few rows each, stored at the next search
+            idx.add(np.ascontiguousarray(x[i: i + 3]), i, copy=False)
+            if i % 30 == 1:
+                idx.search(x[i], 4)
+    assert fast._kernel is not None
+    a, b = fast._normalise_compiled(x[7])[-1:], ref._normalise(x[7])  # (after the pending)
+    assert np.abs(a - b).max() <= 2.0 ** -11
+    for q in (x[5], x[150], x[299], _data(1, 64, seed=4)[0]):
+        h, r = fast.search(q, 6), ref.search(q, 6)
+        assert h.positions.tolist() == r.positions.tolist()
+        np.testing.assert_allclose(h.scores, r.scores, atol=2e-3)
+    assert fast.search(x[123], 1).positions[0] == 123
+
+
 def test_centre_is_estimated_once_from_the_first_rows():
     x = _data() + 5.0  # a shared offset that would dominate cosine similarity
     idx = VectorIndex(32, 400, "numpy")

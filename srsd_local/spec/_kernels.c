@@ -3,6 +3,7 @@
  * numpy without one. Plain C, no intrinsics: the loops are written in lanes so compilers
  * vectorise them without reassociating floating point (no -ffast-math), so a build gives the
  * same results however wide its vectors are. */
+#include <math.h>
 #include <stdint.h>
 
 #define LANES 8
@@ -91,4 +92,39 @@ int64_t srsd_sample_temperature(const float *x, int64_t n, float inv_t, double u
         if (before > target) return i;
     }
     return hi - 1; /* rounding left the target at the block's very end */
+}
+
+/* x rounded to the nearest float16 value (ties to even), as float32; |x| < 65504. Normal
+ * float16 range: the mantissa rounded from 23 to 10 bits in the integer bits; below 2^-14
+ * (float16 subnormals, steps of 2^-24): adding and subtracting 0.75, whose float32 step is
+ * 2^-24 and whose step count is even, rounds to that step, ties to even. Branch-free. */
+static inline float round_f16(float x) {
+    bits32 v = {.f = x};
+    const int32_t mag = v.i & 0x7fffffff;
+    const int32_t tiny = -(((mag - 0x38800000) >> 31) & 1); /* |x| < 2^-14: all ones */
+    bits32 r = {.i = (v.i + 0x0fff + ((v.i >> 13) & 1)) & ~0x1fff};
+    bits32 s = {.f = (x + 0.75f) - 0.75f};
+    r.i = (r.i & ~tiny) | (s.i & tiny);
+    return r.f;
+}
+
+/* The index's stored form of n rows of length dim (row-major): each row minus `center`,
+ * divided by its length (at least 1e-6), rounded through float16; written to `out`. */
+void srsd_normalise_rows(const float *x, int64_t n, int64_t dim, const float *center,
+                         float *out) {
+    for (int64_t r = 0; r < n; ++r) {
+        const float *xr = x + r * dim;
+        float *o = out + r * dim;
+        for (int64_t i = 0; i < dim; ++i) o[i] = xr[i] - center[i];
+        float lane[LANES] = {0};
+        int64_t i = 0;
+        for (; i + LANES <= dim; i += LANES)
+            for (int j = 0; j < LANES; ++j) lane[j] += o[i + j] * o[i + j];
+        double s = 0.0;
+        for (int j = 0; j < LANES; ++j) s += lane[j];
+        for (; i < dim; ++i) s += o[i] * o[i];
+        float norm = (float)sqrt(s);
+        norm = norm > 1e-6f ? norm : 1e-6f;
+        for (i = 0; i < dim; ++i) o[i] = round_f16(o[i] / norm);
+    }
 }

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .kernels import normalise_kernel
+
 _GPU_TEMP_MEMORY = 64 << 20  # faiss reserves up to 1.5 GiB of scratch by default
 
 
@@ -87,6 +89,8 @@ class VectorIndex:
         self._faiss_index = None
         self._gpu_res = None
         self._result_arrays: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._kernel = normalise_kernel()  # None: numpy normalises
+        self._scratch: np.ndarray | None = None  # the compiled kernel's rows of a step
         if self.backend == "numpy":
             self._buf = np.zeros((len(self._pos), dim), dtype=np.float16)
         else:
@@ -120,22 +124,49 @@ class VectorIndex:
         x /= np.maximum(np.sqrt(np.einsum("ij,ij->i", x, x)), np.float32(1e-6))[:, None]
         return x.astype(np.float16).astype(np.float32)
 
+    def _normalise_compiled(self, query: np.ndarray | None) -> np.ndarray:
+        """The pending rows, then the query (if any), normalised by the compiled kernel
+        into one array (a reused one for a decode step's few rows)."""
+        parts = self._pending if query is None else [*self._pending, query]
+        dim = self.dim
+        if self.center is None:
+            self._centre_on(np.reshape(parts[0], (-1, dim)))
+        n = sum(p.size for p in parts) // dim
+        if n <= MAX_PENDING + 1:
+            if self._scratch is None:
+                self._scratch = np.empty((MAX_PENDING + 1, dim), np.float32)
+            out = self._scratch[:n]
+        else:
+            out = np.empty((n, dim), np.float32)
+        at = 0
+        for p in parts:
+            k = p.size // dim
+            self._kernel(p, self.center, out[at: at + k])
+            at += k
+        return out
+
     def _centre_on(self, x: np.ndarray) -> None:
         """The centre is the mean of the first rows ever added (zero for a single row)."""
         if self.center is None:
-            self.center = x.mean(axis=0) if len(x) > 1 else np.zeros(self.dim, np.float32)
+            self.center = (np.ascontiguousarray(x.mean(axis=0), dtype=np.float32)
+                           if len(x) > 1 else np.zeros(self.dim, np.float32))
 
     def _flush(self, query: np.ndarray | None = None) -> np.ndarray | None:
         """Store the pending rows; with a `query` (a raw row), normalise it along with them
         (one pass for both) and return it normalised ([1, dim])."""
-        if not self._pending:
+        if self._kernel is not None:
+            x = self._normalise_compiled(query)
+        elif not self._pending:
             return None if query is None else self._normalise(query)
-        parts = self._pending if query is None else [*self._pending,
-                                                     np.reshape(query, (1, self.dim))]
-        x = self._normalise(np.concatenate(parts) if len(parts) > 1 else parts[0])
+        else:
+            parts = self._pending if query is None else [*self._pending,
+                                                         np.reshape(query, (1, self.dim))]
+            x = self._normalise(np.concatenate(parts) if len(parts) > 1 else parts[0])
         q = None
         if query is not None:
             x, q = x[:-1], x[-1:]
+        if not len(x):
+            return q
         self._pending = []
         self._store(x)
         return q
@@ -144,6 +175,9 @@ class VectorIndex:
         """Store normalised rows after those stored already."""
         if self._buf is not None:
             self._buf[self._stored: self._stored + len(x)] = x
+        elif self.backend == "faiss-cpu":  # the SWIG call itself (see search)
+            x = np.ascontiguousarray(x, dtype=np.float32)
+            self._faiss_index.add_c(len(x), _faiss().swig_ptr(x))
         else:
             self._faiss_index.add(x)
         self._stored += len(x)

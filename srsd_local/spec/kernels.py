@@ -1,5 +1,6 @@
-"""Compiled sampling kernels (`_kernels.c`), built once with the system's C compiler into the
-cache; None where there is none (or SRSD_KERNELS=python), and the sampler uses numpy.
+"""Compiled kernels (`_kernels.c`) for the sampler and the vector index, built once with the
+system's C compiler into the cache; None where there is none (or SRSD_KERNELS=python), and
+numpy does the work.
 
 Drawing a token at a temperature takes numpy five passes over a 262k-entry logits row (its
 maximum, the shift, the scaling, the exponential, the block sums), each writing a new row;
@@ -7,6 +8,10 @@ the kernel reads the row twice (maximum, then weights summed per block) and writ
 but the block sums. Its exponential is its own (a polynomial): it draws from the same
 distribution as numpy's, though not always the same token for the same seed, so one process
 uses one or the other throughout.
+
+The index's rows (centred, unit length, rounded through float16) take numpy ten calls; the
+kernel one, with the same float16 rounding (the length may differ in its last bit: the sum
+is taken in another order).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ BLOCK = 512  # as in _kernels.c
 # vectorised (floating point never traps here) without contracting a * b + c into fused
 # operations, so every build computes the same weights; for this machine's vector width
 # first (built per machine), else for the architecture's baseline
-FLAGS = ("-O3", "-fno-trapping-math", "-ffp-contract=off")
+FLAGS = ("-O3", "-fno-trapping-math", "-fno-math-errno", "-ffp-contract=off")
 NATIVE = ("-march=native",)
 
 
@@ -49,6 +54,10 @@ def library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int64
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double,
                    ctypes.c_void_p]
+    fn = lib.srsd_normalise_rows
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_void_p]
     return lib
 
 
@@ -72,3 +81,25 @@ class TemperatureKernel:
 def temperature_kernel(temperature: float) -> TemperatureKernel | None:
     lib = library()
     return None if lib is None else TemperatureKernel(lib, temperature)
+
+
+class NormaliseKernel:
+    """The vector index's stored form of hidden rows in one compiled call per block of rows:
+    centred, unit length, rounded through float16 (numpy takes a call per operation, each
+    one slow on the caches a forward pass has just flushed)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.srsd_normalise_rows
+
+    def __call__(self, rows: np.ndarray, center: np.ndarray, out: np.ndarray) -> None:
+        """rows: float32 [k, dim] with contiguous rows (or [dim]); center: float32 [dim]
+        contiguous; out: float32 [k, dim] contiguous, written."""
+        x = rows if (rows.dtype == np.float32 and rows.flags.c_contiguous) else \
+            np.ascontiguousarray(rows, dtype=np.float32)
+        dim = center.shape[0]
+        self._fn(x.ctypes.data, x.size // dim, dim, center.ctypes.data, out.ctypes.data)
+
+
+def normalise_kernel() -> NormaliseKernel | None:
+    lib = library()
+    return None if lib is None else NormaliseKernel(lib)
