@@ -138,11 +138,7 @@ class VectorIndex:
             out = self._scratch[:n]
         else:
             out = np.empty((n, dim), np.float32)
-        at = 0
-        for p in parts:
-            k = p.size // dim
-            self._kernel(p, self.center, out[at: at + k])
-            at += k
+        self._kernel(parts, self.center, out)
         return out
 
     def _centre_on(self, x: np.ndarray) -> None:

@@ -91,13 +91,18 @@ class NormaliseKernel:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.srsd_normalise_rows
 
-    def __call__(self, rows: np.ndarray, center: np.ndarray, out: np.ndarray) -> None:
-        """rows: float32 [k, dim] with contiguous rows (or [dim]); center: float32 [dim]
-        contiguous; out: float32 [k, dim] contiguous, written."""
-        x = rows if (rows.dtype == np.float32 and rows.flags.c_contiguous) else \
-            np.ascontiguousarray(rows, dtype=np.float32)
+    def __call__(self, parts: list[np.ndarray], center: np.ndarray, out: np.ndarray) -> None:
+        """parts: float32 blocks of rows ([k, dim] with contiguous rows, or [dim]); center:
+        float32 [dim], contiguous; out: float32 [sum of k, dim], contiguous: the parts'
+        rows one after the other, written."""
         dim = center.shape[0]
-        self._fn(x.ctypes.data, x.size // dim, dim, center.ctypes.data, out.ctypes.data)
+        fn, c, o = self._fn, center.ctypes.data, out.ctypes.data
+        for x in parts:
+            if x.dtype != np.float32 or not x.flags.c_contiguous:
+                x = np.ascontiguousarray(x, dtype=np.float32)
+            k = x.size // dim
+            fn(x.ctypes.data, k, dim, c, o)
+            o += 4 * k * dim
 
 
 def normalise_kernel() -> NormaliseKernel | None:
