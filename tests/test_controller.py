@@ -567,6 +567,58 @@ def test_plan_table_equals_its_definition_on_random_profiles():
             assert c.can_explore(n) == bool(np.any(stale & (c.sizes <= n)))
 
 
+def _reference_observe(c: CostModel, n: int, seconds: float, ctx: int) -> None:
+    """CostModel.observe for a step of n > 1 tokens, written with numpy's interpolation
+    (`_base`) and the bounds applied as arrays: the definition the plain-Python one
+    follows."""
+    c.steps += 1
+    seconds = max(seconds - c.per_kv * n * max(0, ctx - c.ctx0), 1e-6) / c.scale
+    view = c.seconds / c.scale
+    idx = int(np.searchsorted(c.sizes, n))
+    if idx < len(c.sizes) and c.sizes[idx] == n:
+        points, err = [idx], seconds - view[idx]
+    else:
+        points = sorted({max(idx - 1, 0), min(idx, len(c.sizes) - 1)} - {0})
+        err = seconds - float(c._base(np.array([n]), view)[0])
+    for j in points:
+        if seconds < view[j]:
+            c.raw[j] = min(c.raw[j], view[j] + err)
+            c.surprises += seconds < 0.8 * view[j]
+        else:
+            c.raw[j] = view[j] + c.alpha * err / len(points)
+        c.raw[j] = max(c.raw[j], 1e-6)
+        if c.sizes[j] == n:
+            c.confirmed[j] = c.steps
+    t = np.clip(c.raw, c.raw[0], c.raw[0] * c.sizes)
+    cap = np.inf
+    for k in range(len(t) - 1, -1, -1):  # unconfirmed: at most a confirmed bigger one
+        if np.isfinite(c.confirmed[k]):
+            cap = min(cap, t[k])
+        else:
+            t[k] = min(t[k], cap)
+    c._shape, c._shape_list, c._t1, c._seconds = t, t.tolist(), float(t[0]), None
+
+
+def test_step_corrections_follow_their_array_definition():
+    rng = np.random.default_rng(11)
+    for trial in range(100):
+        sizes = sorted({1, *rng.integers(2, 40, size=rng.integers(1, 10)).tolist()})
+        secs = (0.01 * (1 + rng.random(len(sizes)) * np.array(sizes) * 0.3)).tolist()
+        a, b = (CostModel(sizes, secs, per_kv=1e-7, ctx0=100) for _ in range(2))
+        for _ in range(30):
+            n = int(rng.choice([1, *sizes, int(rng.integers(2, 60))]))
+            sec, ctx = float(rng.uniform(0.002, 0.06)), int(rng.integers(0, 3000))
+            a.observe(n, sec, ctx)
+            if n == 1:
+                b.observe(n, sec, ctx)
+            else:
+                _reference_observe(b, n, sec, ctx)
+            np.testing.assert_allclose(a.raw, b.raw, rtol=1e-12, err_msg=str(trial))
+            np.testing.assert_allclose(a.seconds, b.seconds, rtol=1e-12)
+            assert np.array_equal(a.confirmed, b.confirmed) and a.surprises == b.surprises
+            assert a.scale == b.scale
+
+
 def test_a_chain_is_planned_as_the_general_tree_path_would():
     """choose takes a chain's nodes in path order without sorting (p never grows down a
     path; ties go to the shallower node): the order the general path sorts them into."""

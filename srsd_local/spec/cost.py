@@ -24,6 +24,7 @@ A profile measured while the machine was busy must not switch speculation off fo
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 
 import numpy as np
@@ -31,6 +32,20 @@ import numpy as np
 STALE_STEPS = 2000  # a point not confirmed by a real step for this many steps is stale
 OPTIMISTIC_SLOPE = 0.1  # exploration guess: each extra token costs 0.1 plain step
 SURPRISE = 0.8  # a tree step this much faster than its estimate: look for more such errors
+
+
+def _interp(n: int, sizes: list[int], sec: list[float]) -> float:
+    """t at n from the points (sizes, sec): linear between them, the first point's
+    value before them, the last slope past them (what `CostModel._base` computes)."""
+    if n <= sizes[0]:
+        return sec[0]
+    if n >= sizes[-1]:
+        if len(sizes) == 1:
+            return sec[0]
+        slope = (sec[-1] - sec[-2]) / (sizes[-1] - sizes[-2])
+        return sec[-1] + slope * (n - sizes[-1])
+    j = bisect_left(sizes, n) - 1
+    return (sec[j + 1] - sec[j]) / (sizes[j + 1] - sizes[j]) * (n - sizes[j]) + sec[j]
 
 
 class CostModel:
@@ -54,6 +69,7 @@ class CostModel:
         self.confirmed = np.full(len(self.sizes), -np.inf)  # step of the last confirmation
         self.surprises = 0  # steps far faster than their estimate (estimate replaced)
         self._sizes_for: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._sizes_list: list[int] = self.sizes.tolist()
         self._update()
 
     def _update(self, shape_changed: bool = True) -> None:
@@ -63,17 +79,18 @@ class CostModel:
         if not shape_changed:
             self._seconds = None  # scaled again when next read
             return
-        t1 = float(self.raw[0])
-        t = np.clip(self.raw, t1, t1 * self.sizes).tolist()  # plain Python below: a dozen
-        cap = np.inf  # points, every tree step, on caches a forward pass just flushed
+        raw, sizes = self.raw.tolist(), self._sizes_list  # plain Python: a dozen points,
+        t1 = raw[0]  # every tree step, on caches a forward pass just flushed
+        t = [min(max(r, t1), t1 * s) for r, s in zip(raw, sizes)]
+        cap = np.inf
         for k, conf in zip(range(len(t) - 1, -1, -1), self.confirmed[::-1].tolist()):
             if conf != -np.inf:
                 cap = min(cap, t[k])
             elif t[k] > cap:
                 t[k] = cap
-        t = np.array(t)
-        self._shape = t
-        self._t1 = float(self._shape[0])
+        self._shape_list = t
+        self._shape = np.array(t)
+        self._t1 = t1
         self._seconds = None
 
     @property
@@ -181,24 +198,25 @@ class CostModel:
             self.confirmed[0] = self.steps
             self._update(shape_changed=first)
             return
-        seconds /= self.scale  # in the profile's units
-        view = self.seconds / self.scale
-        idx = int(np.searchsorted(self.sizes, n))
-        if idx < len(self.sizes) and self.sizes[idx] == n:
+        seconds /= self.scale  # in the profile's units (plain Python from here on)
+        view, sizes = self._shape_list, self._sizes_list
+        idx = bisect_left(sizes, n)
+        if idx < len(sizes) and sizes[idx] == n:
             points, err = [idx], seconds - view[idx]
         else:
-            lo, hi = max(idx - 1, 0), min(idx, len(self.sizes) - 1)
+            lo, hi = max(idx - 1, 0), min(idx, len(sizes) - 1)
             points = sorted({lo, hi} - {0})
-            err = seconds - float(self._base(np.array([n]), view)[0])
+            err = seconds - _interp(n, sizes, view)
+        raw = self.raw
         for j in points:
             if seconds < view[j]:  # faster than believed: believe it now
-                self.raw[j] = min(self.raw[j], view[j] + err)
+                r = min(float(raw[j]), view[j] + err)
                 if seconds < SURPRISE * view[j]:
                     self.surprises += 1
             else:
-                self.raw[j] = view[j] + self.alpha * err / len(points)
-            self.raw[j] = max(self.raw[j], 1e-6)
-            if self.sizes[j] == n:  # a neighbour's estimate is only inferred: it stays
+                r = view[j] + self.alpha * err / len(points)
+            raw[j] = max(r, 1e-6)
+            if sizes[j] == n:  # a neighbour's estimate is only inferred: it stays
                 # open to exploration (a poisoned t(4), corrected from a 5-token step to
                 # what 5 tokens cost, would otherwise pass for measured and rule 4 out)
                 self.confirmed[j] = self.steps
