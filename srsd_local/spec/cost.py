@@ -24,7 +24,7 @@ A profile measured while the machine was busy must not switch speculation off fo
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 
 import numpy as np
@@ -174,8 +174,8 @@ class CostModel:
 
     def can_explore(self, n_max: int) -> bool:
         """Whether some size up to n_max is stale (worth an exploratory plan)."""
-        k = int(np.searchsorted(self.sizes, max(n_max, 1), "right"))  # sizes <= n_max
-        return self.steps - float(self.confirmed[:k].min()) > STALE_STEPS
+        k = bisect_right(self._sizes_list, max(n_max, 1))  # sizes <= n_max
+        return self.steps - min(self.confirmed[:k].tolist()) > STALE_STEPS
 
     def observe(self, n: int, seconds: float, ctx: int | None = None) -> None:
         """Correct the profile with a measured step time: a plain step (n=1) rescales the
