@@ -70,6 +70,8 @@ class CostModel:
         self.surprises = 0  # steps far faster than their estimate (estimate replaced)
         self._sizes_for: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         self._sizes_list: list[int] = self.sizes.tolist()
+        self._raw1 = float(self.raw[0])  # t(1) as profiled (no step changes it)
+        self._plain_confirmed = False  # whether a plain step confirmed t(1) yet
         self._update()
 
     def _update(self, shape_changed: bool = True) -> None:
@@ -184,17 +186,18 @@ class CostModel:
         replaces it at once (load on the machine only ever adds time), slower ones move it
         by `alpha`."""
         self.steps += 1
-        if ctx is not None:
+        if ctx is not None and self.per_kv:
             seconds -= self.per_kv * n * max(0, ctx - self.ctx0)
         seconds = max(seconds, 1e-6)
-        if n == 1:
-            target = seconds / float(self.raw[0])
-            if seconds < 0.5 * self.scale * self._t1:  # plain Python: runs every step
+        if n == 1:  # plain Python: runs every step, the first thing after a forward pass
+            target = seconds / self._raw1
+            if seconds < 0.5 * self.scale * self._t1:
                 self.scale = target
                 self.surprises += 1
             else:
                 self.scale += self.alpha * (target - self.scale)
-            first = not np.isfinite(self.confirmed[0])
+            first = not self._plain_confirmed
+            self._plain_confirmed = True
             self.confirmed[0] = self.steps
             self._update(shape_changed=first)
             return
