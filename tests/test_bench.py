@@ -147,6 +147,17 @@ def _stats(mode: str, tokens: int, seconds: float, steps: list[tuple[int, int, i
     return s
 
 
+def test_a_plain_step_observed_by_its_fast_path_counts_as_observe_step_counts_it():
+    a, b = GenerationStats(mode="srsd"), GenerationStats(mode="srsd")
+    for s in (a, b):
+        s.observe_step(5, 3, drafted=4, forecast=[0.9, 0.8, 0.5, 0.2],
+                       forecast_depths=[1, 2, 3, 4], draft=0.001, host=0.002)
+    a.observe_step(1, 0, draft=0.0004, verify=0.01, index=0.0002, host=0.0007)
+    b.observe_plain(0.0004, 0.01, 0.0002, 0.0007)
+    assert a.to_dict() == b.to_dict()
+    assert b.host_ms_plain == pytest.approx(0.7) and b.mean_accepted_length == 0.0
+
+
 def _rec(cat: str, mode: str, stats: GenerationStats, same: bool | None = None,
          peer: bool = False) -> RunRecord:
     return RunRecord("p", cat, mode, 0, stats, [], same, peer)

@@ -765,7 +765,10 @@ class Engine:
 
             # 5. commit: context tokens and hidden-state index; learn from the outcome
             slot.n_past = n + len(path)
-            slot.ctx[n: n + len(path)] = path_tokens
+            if len(path) == 1:
+                slot.ctx[n] = x
+            else:
+                slot.ctx[n: n + len(path)] = path_tokens
             if req.uses_index and w.hidden is not None:  # (the rows are this step's own;
                 # a path through the tree's first nodes, as a chain's always is: a view)
                 k = len(path)
@@ -774,15 +777,15 @@ class Engine:
                 slot.last_hidden = rows[-1]
             self.speculator.observe(req, plan, path)
             td = time.perf_counter()
-            times = dict(draft=tb - ta, verify=tc - tb, index=td - tc,
-                         host=(td - ta) - w.decode_seconds - (job.outside - out0))
+            host = (td - ta) - w.decode_seconds - (job.outside - out0)
             if plan is None:
-                stats.observe_step(1, 0, **times)
+                stats.observe_plain(tb - ta, tc - tb, td - tc, host)
             else:  # the forecast (if the controller made one) covers the drafted nodes
                 t = plan.tree
                 stats.observe_step(len(t), len(path) - 1, drafted=t.n_draft,
                                    forecast=plan.probs[1:],
-                                   forecast_depths=t.depths[1:len(plan.probs)], **times,
+                                   forecast_depths=t.depths[1:len(plan.probs)],
+                                   draft=tb - ta, verify=tc - tb, index=td - tc, host=host,
                                    forced=sum(1 for i in path[1:] if t.origin[i] & GRAMMAR))
             pending = path_tokens[1:] + [y]
             if forcing is not None:

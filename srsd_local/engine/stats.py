@@ -66,6 +66,17 @@ class GenerationStats:
         else:
             self.host_plain += host
 
+    def observe_plain(self, draft: float, verify: float, index: float, host: float) -> None:
+        """`observe_step` of a plain step (one token decoded, nothing drafted verified):
+        the decode loop's call on most steps, without keywords."""
+        self.steps += 1
+        self.tokens_per_step.append(1)
+        self.tree_sizes.append(1)
+        self.time_draft += draft
+        self.time_verify += verify
+        self.time_index += index
+        self.host_plain += host
+
     def merge(self, other: GenerationStats) -> GenerationStats:
         """Add another generation's counts and times into this one (for totals)."""
         for f in fields(self):
