@@ -44,7 +44,7 @@ def _interp(n: int, sizes: list[int], sec: list[float]) -> float:
             return sec[0]
         slope = (sec[-1] - sec[-2]) / (sizes[-1] - sizes[-2])
         return sec[-1] + slope * (n - sizes[-1])
-    j = bisect_left(sizes, n) - 1
+    j = bisect_right(sizes, n) - 1  # sizes[j] <= n < sizes[j + 1]
     return (sec[j + 1] - sec[j]) / (sizes[j + 1] - sizes[j]) * (n - sizes[j]) + sec[j]
 
 
@@ -68,7 +68,7 @@ class CostModel:
         self.steps = 0  # steps observed
         self.confirmed = np.full(len(self.sizes), -np.inf)  # step of the last confirmation
         self.surprises = 0  # steps far faster than their estimate (estimate replaced)
-        self._sizes_for: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._sizes_for: dict[int, tuple[list[int], list[int], list[bool]]] = {}
         self._sizes_list: list[int] = self.sizes.tolist()
         self._raw1 = float(self.raw[0])  # t(1) as profiled (no step changes it)
         self._plain_confirmed = False  # whether a plain step confirmed t(1) yet
@@ -125,48 +125,52 @@ class CostModel:
         return self.steps - self.confirmed > STALE_STEPS
 
     def plan_table(self, n_max: int, ctx: int | None = None, explore: bool = False
-                   ) -> tuple[np.ndarray, np.ndarray]:
+                   ) -> tuple[list[float], list[int]]:
         """(cost, size) for n = 0..n_max tokens at context length ctx (index 0 unused): a
         step of n tokens runs padded to the profiled size m, n <= m <= n_max where one is,
         that costs least (`size`), and costs what m does (`cost`, never decreasing in n).
         Past the last profiled size: extrapolated, not padded. With `explore`, stale points
-        take an optimistic guess (never above their estimate)."""
+        take an optimistic guess (never above their estimate). Plain Python lists: a few
+        dozen sizes, on every plan, on caches a forward pass just flushed."""
         size, idx, exact = self._plan_sizes(n_max)
-        sec = self.seconds
+        scale, sizes = self.scale, self._sizes_list
+        sec = [scale * v for v in self._shape_list]
         if explore:
-            guess = self.seconds[0] * (1.0 + OPTIMISTIC_SLOPE * (self.sizes - 1))
-            sec = np.where(self.stale(), np.minimum(sec, guess), sec)
-        # a profiled size costs its point (what interpolating at it gives); other sizes
-        # (none, or past the last point, or with no room to pad) are interpolated
-        cost = np.where(exact, sec[idx], 0.0)
-        other = ~exact
-        cost[other] = self._base(size[other], sec)
-        cost += self._per_token(ctx) * size
-        # the cheapest size from n on (ties: the smallest): the first n' >= n whose cost is
-        # the least from n' on
-        best = np.minimum.accumulate(cost[::-1])[::-1]
-        at = np.where(cost <= best, np.arange(n_max + 1), n_max)
-        at = np.minimum.accumulate(at[::-1])[::-1]
+            first, steps = sec[0], self.steps
+            sec = [min(v, first * (1.0 + OPTIMISTIC_SLOPE * (m - 1)))
+                   if steps - conf > STALE_STEPS else v
+                   for v, m, conf in zip(sec, sizes, self.confirmed.tolist())]
+        per_tok = self._per_token(ctx)
+        # a profiled size costs its point; other sizes (none, or past the last point, or
+        # with no room to pad) are interpolated
+        cost = [(sec[i] if ex else _interp(m, sizes, sec)) + per_tok * m
+                for m, i, ex in zip(size, idx, exact)]
+        # the cheapest size from n on (ties: the smallest)
+        best, at = cost[:], list(range(n_max + 1))
+        for k in range(n_max - 1, -1, -1):
+            if cost[k] > best[k + 1]:
+                best[k], at[k] = best[k + 1], at[k + 1]
         at[0] = 0
-        return best, size[at]
+        return best, [size[a] for a in at]
 
-    def _plan_sizes(self, n_max: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _plan_sizes(self, n_max: int) -> tuple[list[int], list[int], list[bool]]:
         """For n = 0..n_max: the profiled size m >= n a step of n tokens is padded to (n
         itself where there is none within n_max), that size's profile index, and whether
         it is a profiled size. Depends on n_max alone: cached."""
         got = self._sizes_for.get(n_max)
         if got is None:
-            n = np.arange(n_max + 1)
-            idx = np.searchsorted(self.sizes, n)
-            inside = (idx < len(self.sizes)) & (n >= 1)
-            idx = np.minimum(idx, len(self.sizes) - 1)
-            size = np.where(inside, self.sizes[idx], n)
-            exact = inside & (size <= n_max)
-            size = np.where(exact, size, n)  # no room to pad to the next profiled size
+            sizes = self._sizes_list
+            size, idx, exact = [], [], []
+            for n in range(n_max + 1):
+                i = min(bisect_left(sizes, n), len(sizes) - 1)
+                ex = n >= 1 and sizes[i] >= n and sizes[i] <= n_max
+                size.append(sizes[i] if ex else n)
+                idx.append(i)
+                exact.append(ex)
             got = self._sizes_for[n_max] = (size, idx, exact)
         return got
 
-    def table(self, n_max: int, ctx: int | None = None, explore: bool = False) -> np.ndarray:
+    def table(self, n_max: int, ctx: int | None = None, explore: bool = False) -> list[float]:
         """The cost of n = 0..n_max tokens (see `plan_table`)."""
         return self.plan_table(n_max, ctx, explore)[0]
 
