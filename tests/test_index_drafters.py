@@ -162,6 +162,24 @@ def test_compiled_and_numpy_normalisation_store_the_same_rows_and_find_the_same(
     assert fast.search(x[123], 1).positions[0] == 123
 
 
+@pytest.mark.parametrize("kernel", [True, False])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_empty_index_can_be_flushed_copied_and_truncated(backend, kernel):
+    # (another request's empty index is a donor like any other)
+    if kernel:
+        _compiled_normalise()
+    empty, idx = VectorIndex(16, 50, backend), VectorIndex(16, 50, backend)
+    if not kernel:
+        empty._kernel = idx._kernel = None
+    empty._flush()
+    empty.truncate(0)
+    idx.copy_from(empty, 10)
+    assert len(idx) == 0 and idx.search(_data(1, 16)[0], 3).positions.size == 0
+    x = _data(20, 16)
+    idx.add(x, 0)
+    assert idx.search(x[4], 1).positions.tolist() == [4]
+
+
 def test_centre_is_estimated_once_from_the_first_rows():
     x = _data() + 5.0  # a shared offset that would dominate cosine similarity
     idx = VectorIndex(32, 400, "numpy")

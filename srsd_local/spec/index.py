@@ -150,10 +150,12 @@ class VectorIndex:
     def _flush(self, query: np.ndarray | None = None) -> np.ndarray | None:
         """Store the pending rows; with a `query` (a raw row), normalise it along with them
         (one pass for both) and return it normalised ([1, dim])."""
+        if not self._pending and query is None:
+            return None
         if self._kernel is not None:
             x = self._normalise_compiled(query)
         elif not self._pending:
-            return None if query is None else self._normalise(query)
+            return self._normalise(query)
         else:
             parts = self._pending if query is None else [*self._pending,
                                                          np.reshape(query, (1, self.dim))]
