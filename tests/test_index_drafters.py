@@ -160,6 +160,9 @@ def test_compiled_and_numpy_normalisation_store_the_same_rows_and_find_the_same(
         assert h.positions.tolist() == r.positions.tolist()
         np.testing.assert_allclose(h.scores, r.scores, atol=2e-3)
     assert fast.search(x[123], 1).positions[0] == 123
+    for idx in (fast, ref):  # a query that is not one row is refused, not misread
+        with pytest.raises(ValueError):
+            idx.search(x[:2].ravel(), 3)
 
 
 @pytest.mark.parametrize("kernel", [True, False])

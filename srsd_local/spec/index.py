@@ -127,10 +127,12 @@ class VectorIndex:
     def _normalise_compiled(self, query: np.ndarray | None) -> np.ndarray:
         """The pending rows, then the query (if any), normalised by the compiled kernel
         into one array (a reused one for a decode step's few rows)."""
-        parts = self._pending if query is None else [*self._pending, query]
         dim = self.dim
+        parts = self._pending if query is None else [*self._pending, query]
         if self.center is None:
             self._centre_on(np.reshape(parts[0], (-1, dim)))
+        if self.center.dtype != np.float32 or not self.center.flags.c_contiguous:
+            self.center = np.ascontiguousarray(self.center, dtype=np.float32)
         n = sum(p.size for p in parts) // dim
         if n <= MAX_PENDING + 1:
             if self._scratch is None:
@@ -232,6 +234,9 @@ class VectorIndex:
 
     def search(self, query: np.ndarray, k: int) -> Hits:
         """The k most similar indexed positions to `query` (a raw hidden row), best first."""
+        if np.size(query) != self.dim:
+            raise ValueError(f"query has {np.size(query)} values: accepted is one row of "
+                             f"{self.dim}")
         k = min(k, self._n)
         if k <= 0:
             return Hits(np.zeros(0, np.int64), np.zeros(0, np.float32))
