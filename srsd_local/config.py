@@ -42,7 +42,8 @@ class Environment:
       checkout, else <cache>/models)
     - SRSD_VERBOSE: non-empty shows llama.cpp's log
     - SRSD_CAPTURE: "python" forces the Python eval callback instead of the compiled one
-    - SRSD_KERNELS: "python" samples with numpy instead of the compiled kernel
+    - SRSD_KERNELS: "python" samples and normalises index rows with numpy instead of the
+      compiled kernels
     - CC: the C compiler for the compiled callback and kernel (else cc, gcc or clang)
 
     and, to find and download models where other tools keep them (the standard variables of
