@@ -70,7 +70,6 @@ class CostModel:
         self.surprises = 0  # steps far faster than their estimate (estimate replaced)
         self._sizes_for: dict[int, tuple[list[int], list[int], list[bool]]] = {}
         self._sizes_list: list[int] = self.sizes.tolist()
-        self._raw1 = float(self.raw[0])  # t(1) as profiled (no step changes it)
         self._plain_confirmed = False  # whether a plain step confirmed t(1) yet
         self._update()
 
@@ -194,7 +193,7 @@ class CostModel:
             seconds -= self.per_kv * n * max(0, ctx - self.ctx0)
         seconds = max(seconds, 1e-6)
         if n == 1:  # plain Python: runs every step, the first thing after a forward pass
-            target = seconds / self._raw1
+            target = seconds / self._t1  # (t(1) as profiled: no step changes raw[0])
             if seconds < 0.5 * self.scale * self._t1:
                 self.scale = target
                 self.surprises += 1

@@ -124,15 +124,15 @@ class VectorIndex:
         x /= np.maximum(np.sqrt(np.einsum("ij,ij->i", x, x)), np.float32(1e-6))[:, None]
         return x.astype(np.float16).astype(np.float32)
 
-    def _normalise_compiled(self, query: np.ndarray | None) -> np.ndarray:
-        """The pending rows, then the query (if any), normalised by the compiled kernel
-        into one array (a reused one for a decode step's few rows)."""
+    def _normalise_parts(self, parts: list[np.ndarray]) -> np.ndarray:
+        """`_normalise` of the rows of several blocks one after the other: by the compiled
+        kernel where there is one, into a reused array for a decode step's few rows."""
         dim = self.dim
-        parts = self._pending if query is None else [*self._pending, query]
+        if self._kernel is None:
+            return self._normalise(np.concatenate([np.reshape(p, (-1, dim)) for p in parts])
+                                   if len(parts) > 1 else parts[0])
         if self.center is None:
             self._centre_on(np.reshape(parts[0], (-1, dim)))
-        if self.center.dtype != np.float32 or not self.center.flags.c_contiguous:
-            self.center = np.ascontiguousarray(self.center, dtype=np.float32)
         n = sum(p.size for p in parts) // dim
         if n <= MAX_PENDING + 1:
             if self._scratch is None:
@@ -144,7 +144,8 @@ class VectorIndex:
         return out
 
     def _centre_on(self, x: np.ndarray) -> None:
-        """The centre is the mean of the first rows ever added (zero for a single row)."""
+        """The centre is the mean of the first rows ever added (zero for a single row), as
+        contiguous float32 (what the compiled kernel reads)."""
         if self.center is None:
             self.center = (np.ascontiguousarray(x.mean(axis=0), dtype=np.float32)
                            if len(x) > 1 else np.zeros(self.dim, np.float32))
@@ -154,14 +155,7 @@ class VectorIndex:
         (one pass for both) and return it normalised ([1, dim])."""
         if not self._pending and query is None:
             return None
-        if self._kernel is not None:
-            x = self._normalise_compiled(query)
-        elif not self._pending:
-            return self._normalise(query)
-        else:
-            parts = self._pending if query is None else [*self._pending,
-                                                         np.reshape(query, (1, self.dim))]
-            x = self._normalise(np.concatenate(parts) if len(parts) > 1 else parts[0])
+        x = self._normalise_parts(self._pending if query is None else [*self._pending, query])
         q = None
         if query is not None:
             x, q = x[:-1], x[-1:]
