@@ -57,6 +57,33 @@ def test_hidden_rows_shape_and_batch_split_invariance(backend):
     backend.clear()
 
 
+def test_the_index_finds_the_same_hits_compiled_and_in_numpy_on_real_hidden_rows(backend):
+    """The engine's index, fed the real model's hidden rows (a prompt at once, then rows
+    one by one as decode steps add them), finds the same positions whether its rows were
+    normalised by the compiled kernel or by numpy."""
+    from srsd_local.spec import kernels
+    from srsd_local.spec.index import VectorIndex
+
+    if kernels.normalise_kernel() is None:
+        pytest.skip("no C compiler here: the index normalises with numpy")
+    ids = backend.tokenize("def mean(xs):\n    return sum(xs) / len(xs)\n\n"
+                           "def total(xs):\n    return sum(xs)\n\ndef mean2(xs):\n")
+    backend.clear()
+    rows = backend.decode(ids, want_logits="none").hidden.copy()
+    backend.clear()
+    fast, ref = VectorIndex(backend.n_embd, 256), VectorIndex(backend.n_embd, 256)
+    ref._kernel = None
+    assert fast._kernel is not None
+    for idx in (fast, ref):
+        idx.add(rows[:20], 0)
+        for i in range(20, len(rows)):
+            idx.add(rows[i: i + 1].copy(), i, copy=False)
+    for q in (5, len(rows) // 2, len(rows) - 1):
+        h, r = fast.search(rows[q], 5), ref.search(rows[q], 5)
+        assert h.positions.tolist() == r.positions.tolist() and h.positions[0] == q
+        np.testing.assert_allclose(h.scores, r.scores, atol=2e-3)
+
+
 def test_decode_splits_batches_larger_than_n_batch(backend):
     ids = backend.tokenize("word " * 400)  # > n_batch=256
     backend.clear()
