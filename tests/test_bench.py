@@ -158,6 +158,21 @@ def test_a_plain_step_observed_by_its_fast_path_counts_as_observe_step_counts_it
     assert b.host_ms_plain == pytest.approx(0.7) and b.mean_accepted_length == 0.0
 
 
+def test_host_per_tree_of_9_to_16_nodes_counts_only_those_trees():
+    s = GenerationStats(mode="srsd")
+    for decoded, host in ((5, 0.002), (9, 0.003), (16, 0.005), (17, 0.009), (40, 0.02)):
+        s.observe_step(decoded, 2, drafted=decoded - 1, host=host)
+    s.observe_plain(0.0, 0.01, 0.0, 0.0007)
+    assert (s.trees16, s.drafts) == (2, 5)
+    assert s.host_ms_tree16 == pytest.approx(4.0) and s.host_ms_tree == pytest.approx(7.8)
+    assert GenerationStats(mode="srsd").host_ms_tree16 == 0.0
+    total = GenerationStats.total([s, s], mode="srsd")
+    assert total.trees16 == 4 and total.host_ms_tree16 == pytest.approx(4.0)
+    assert aggregate([_rec("a", "srsd", s)], "srsd")["host_ms_tree16"] == pytest.approx(4.0)
+    assert aggregate([_rec("a", "ar", _stats("ar", 10, 1.0, [(1, 0, 0)] * 10))],
+                     "ar")["host_ms_tree16"] is None
+
+
 def _rec(cat: str, mode: str, stats: GenerationStats, same: bool | None = None,
          peer: bool = False) -> RunRecord:
     return RunRecord("p", cat, mode, 0, stats, [], same, peer)
@@ -221,8 +236,9 @@ def test_table_columns_follow_the_modes_that_ran():
     t = table(summarise(_records(), modes), modes)
     head = t.splitlines()[0]
     assert "speedup vs llama-server-spec" in head and "host ms / tree" in head
-    assert "| overall | srsd | 133.3 | 2.67x | 1.87x | 1.82 | 79% | 1.000 | 2.000 | 1/2 |" in t
-    assert "| overall | llama-server-spec | 71.4 | 1.43x | 1.00x | - | 70% | - | - | - |" in t
+    assert "host ms / 9-16-node tree" in head
+    assert "| overall | srsd | 133.3 | 2.67x | 1.87x | 1.82 | 79% | 1.000 | 2.000 | - | 1/2 |" in t
+    assert "| overall | llama-server-spec | 71.4 | 1.43x | 1.00x | - | 70% | - | - | - | - |" in t
     plain = table(summarise(_records()[:4], ["ar", "srsd"]), ["ar", "srsd"])
     assert "llama-server-spec" not in plain and "| a | ar | 100.0 | 1.00x |" in plain
 

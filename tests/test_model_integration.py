@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -174,6 +175,24 @@ def test_greedy_is_deterministic_and_seeded_sampling_reproducible(engine):
     assert s1.token_ids == s2.token_ids
     s3 = engine.generate(p, **{**kw, "seed": 12})
     assert s3.token_ids != s1.token_ids
+
+
+def test_host_time_per_step_covers_emitting_the_steps_text(engine, monkeypatch):
+    """The stats' host time is everything outside llama_decode from one step's end to the
+    next's, emitting included: a planted 5 ms in every emit shows in every step's."""
+    from srsd_local.engine import emit  # noqa: PLC0415
+
+    push = emit.Emitter.push
+
+    def slow(self, *a, **k):
+        time.sleep(0.005)
+        return push(self, *a, **k)
+
+    monkeypatch.setattr(emit.Emitter, "push", slow)
+    for mode in ("ar", "srsd"):
+        s = engine.generate("def quicksort(arr):", max_tokens=12, mode=mode).stats
+        steps = len(s.tree_sizes)
+        assert steps >= 2 and (s.host_plain + s.host_tree) / steps >= 0.005, mode
 
 
 @pytest.fixture

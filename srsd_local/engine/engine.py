@@ -699,6 +699,8 @@ class Engine:
             job.emit(StreamEvent("", [], [], "length", stats, [] if n_lp is not None else None))
             return
         pending, drafted = [x], [False]  # x: chosen, not yet in the KV cache
+        # host time of a step: from the end of the last one (emitting included)
+        t_end, out_end = t1, job.outside
         # per pending token, when asked for: its log-probability from the row it was drawn from
         lps = None if n_lp is None else [token_logprob(last_logits, x, n_lp)]
         while True:
@@ -715,7 +717,7 @@ class Engine:
 
             # 3. propose: a tree rooted at x that pays for itself, or None (plain step)
             n = slot.n_past
-            ta, out0 = time.perf_counter(), job.outside
+            ta = time.perf_counter()
             room = 0 if self.plain_only else self.speculator.room(req, slot.n_ctx - n - 2)
             plan = None
             if room and forcing is None:  # a copy run goes on: its chain, no drafting
@@ -777,7 +779,8 @@ class Engine:
                 slot.last_hidden = rows[-1]
             self.speculator.observe(req, plan, path)
             td = time.perf_counter()
-            host = (td - ta) - w.decode_seconds - (job.outside - out0)
+            host = (td - t_end) - w.decode_seconds - (job.outside - out_end)
+            t_end, out_end = td, job.outside
             if plan is None:
                 stats.observe_plain(tb - ta, tc - tb, td - tc, host)
             else:  # the forecast (if the controller made one) covers the drafted nodes

@@ -36,8 +36,12 @@ class GenerationStats:
     time_draft: float = 0.0
     time_verify: float = 0.0
     time_index: float = 0.0
-    host_plain: float = 0.0  # seconds outside llama_decode in plain steps (host overhead)
-    host_tree: float = 0.0  # seconds outside llama_decode in steps that verified a tree
+    # seconds outside llama_decode (host overhead: everything from the end of one step to
+    # the end of the next but the forward pass, emitting the step's text included)
+    host_plain: float = 0.0  # ... in plain steps
+    host_tree: float = 0.0  # ... in steps that verified a tree
+    host_tree16: float = 0.0  # ... in steps that verified a tree of 9-16 nodes
+    trees16: int = 0  # steps that verified a tree of 9-16 nodes (root included)
 
     def observe_step(self, decoded: int, accepted: int, *, drafted: int = 0,
                      forecast: Sequence[float] = (), forecast_depths: Sequence[int] = (),
@@ -63,6 +67,9 @@ class GenerationStats:
         self.time_index += index
         if drafted:
             self.host_tree += host
+            if 9 <= decoded <= 16:
+                self.host_tree16 += host
+                self.trees16 += 1
         else:
             self.host_plain += host
 
@@ -123,6 +130,12 @@ class GenerationStats:
     def host_ms_tree(self) -> float:
         """Milliseconds outside llama_decode per step that verified a tree."""
         return self.host_tree * 1000.0 / self.drafts if self.drafts else 0.0
+
+    @property
+    def host_ms_tree16(self) -> float:
+        """Milliseconds outside llama_decode per step that verified a tree of 9-16 nodes
+        (the size a host-overhead budget per 16-node tree is about)."""
+        return self.host_tree16 * 1000.0 / self.trees16 if self.trees16 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
