@@ -6,6 +6,7 @@ Layout of the cache directory (``environment().cache_dir``):
 - ``acceptance/<model>.json``: acceptance counts learned by earlier runs
 - ``calibration/<model>.json``: the calibrated retrieval layer and tree settings
 - ``capture/<name>-<hash>.so``: compiled helpers (the eval callback, the sampling kernels)
+- ``grammar/<model>.npz``: each token's first two bytes, read by grammar constraints
 - ``models/``: the assembled default model when there is no source checkout
 - ``llama-server/<version>/llama-server``: llama.cpp's server, built for the benchmark's
   peer modes by scripts/build_llama_server.sh
@@ -29,7 +30,8 @@ from typing import Any
 
 from .config import environment
 
-KINDS = ("profiles", "acceptance", "calibration", "capture", "models", "llama-server")
+KINDS = ("profiles", "acceptance", "calibration", "capture", "grammar", "models",
+         "llama-server")
 
 
 def cache_dir() -> Path:

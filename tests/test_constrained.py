@@ -282,3 +282,35 @@ def test_server_structured_outputs(api_server, engine):
     r = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
                    headers=auth, timeout=60)
     assert r.status_code == 200, r.text  # still serving
+
+
+def test_token_lead_bytes_are_read_back_from_the_cache_once_scanned(engine, monkeypatch):
+    """Each token's first bytes (what a grammar constraint checks drafts with) are scanned
+    from llama.cpp once per model file and read back from the cache directory after that;
+    a stored file of another shape is scanned again."""
+    from srsd_local import store  # noqa: PLC0415
+    from srsd_local.llama import grammar  # noqa: PLC0415
+
+    be = engine.backend
+    monkeypatch.delattr(be, "_grammar_lead_bytes", raising=False)
+    target = store.path("grammar", f"{store.file_key(be.model_path)}.npz")
+    target.unlink(missing_ok=True)
+    lead, eog = grammar._lead_bytes(be)
+    assert target.exists() and lead.shape == (be.n_vocab, 2) and len(eog)
+    assert lead[be.tokenize("{", add_bos=False, special=False)[0], 0] == ord("{")
+
+    def no_scan(backend):
+        raise AssertionError("scanned again although the cache holds this model's bytes")
+
+    monkeypatch.delattr(be, "_grammar_lead_bytes")
+    monkeypatch.setattr(grammar, "_scan_lead_bytes", no_scan)
+    lead2, eog2 = grammar._lead_bytes(be)
+    assert np.array_equal(lead, lead2) and np.array_equal(eog, eog2)
+    np.savez(target, lead=lead[:-1], eog=eog)  # another vocabulary's shape: not used
+    monkeypatch.delattr(be, "_grammar_lead_bytes")
+    with pytest.raises(AssertionError, match="scanned again"):
+        grammar._lead_bytes(be)
+    monkeypatch.undo()
+    monkeypatch.delattr(be, "_grammar_lead_bytes", raising=False)
+    assert np.array_equal(grammar._lead_bytes(be)[0], lead)  # scanned and stored again
+    assert np.load(target)["lead"].shape == (be.n_vocab, 2)

@@ -20,6 +20,7 @@ punctuation, closing brackets): those characters are drafted, and verified like 
 from __future__ import annotations
 
 import ctypes
+import io
 import json
 import os
 import re
@@ -31,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import store
 from .backend import _llama
 
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
@@ -195,10 +197,45 @@ def _lead_bytes(backend: Any) -> tuple[np.ndarray, np.ndarray]:
     """(lead, eog): the first two bytes of every token's text as llama.cpp's grammar sees it
     (control tokens as their text; 0 where there is none), as an (n_vocab, 2) uint8 array,
     and the end-of-generation token ids (a grammar admits them where it may end, whatever
-    their text). Computed once per model (about 0.4 s for a 262k vocabulary)."""
+    their text). Computed once per model file (about 0.4 s for a 262k vocabulary: one
+    llama.cpp call per token), then read from the cache directory."""
     cached = getattr(backend, "_grammar_lead_bytes", None)
     if cached is not None:
         return cached
+    try:
+        name: str | None = f"{store.file_key(backend.model_path)}.npz"
+    except (AttributeError, OSError, TypeError):  # no model file to key the cache by
+        name = None
+    cached = _read_lead_bytes(name, backend.n_vocab) if name else None
+    if cached is None:
+        cached = _scan_lead_bytes(backend)
+        if name:
+            buf = io.BytesIO()
+            np.savez(buf, lead=cached[0], eog=cached[1])
+            try:
+                store.write_bytes(store.path("grammar", name), buf.getvalue())
+            except OSError:  # a read-only cache: computed again next time
+                pass
+    backend._grammar_lead_bytes = cached
+    return cached
+
+
+def _read_lead_bytes(name: str, n_vocab: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The stored (lead, eog) of a model file, or None when missing, unreadable or not of
+    this vocabulary's shape."""
+    try:
+        with np.load(store.path("grammar", name), allow_pickle=False) as f:
+            lead, eog = f["lead"], f["eog"]
+    except (OSError, ValueError, KeyError, EOFError):
+        return None
+    if lead.shape != (n_vocab, 2) or lead.dtype != np.uint8 or eog.dtype != np.int32 or \
+            eog.ndim != 1 or (len(eog) and not 0 <= int(eog.min()) <= int(eog.max()) < n_vocab):
+        return None
+    return lead, eog
+
+
+def _scan_lead_bytes(backend: Any) -> tuple[np.ndarray, np.ndarray]:
+    """`_lead_bytes` read from llama.cpp's vocabulary, token by token."""
     L = _llama()
     n = backend.n_vocab
     lead = np.zeros((n, 2), dtype=np.uint8)
@@ -216,8 +253,7 @@ def _lead_bytes(backend: Any) -> tuple[np.ndarray, np.ndarray]:
             lead[t] = _UNKNOWN
         if is_eog(vocab, t):
             eog.append(t)
-    cached = backend._grammar_lead_bytes = (lead, np.asarray(eog, dtype=np.int32))
-    return cached
+    return lead, np.asarray(eog, dtype=np.int32)
 
 
 _PIECE_MAX = 256
