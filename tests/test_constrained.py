@@ -310,6 +310,11 @@ def test_token_lead_bytes_are_read_back_from_the_cache_once_scanned(engine, monk
     monkeypatch.delattr(be, "_grammar_lead_bytes")
     with pytest.raises(AssertionError, match="scanned again"):
         grammar._lead_bytes(be)
+    for junk in (b"", b"PK\x03\x04 truncated", b"\x93NUMPY not an archive"):
+        target.write_bytes(junk)  # unreadable: scanned again, never an error
+        monkeypatch.delattr(be, "_grammar_lead_bytes", raising=False)
+        with pytest.raises(AssertionError, match="scanned again"):
+            grammar._lead_bytes(be)
     monkeypatch.undo()
     monkeypatch.delattr(be, "_grammar_lead_bytes", raising=False)
     assert np.array_equal(grammar._lead_bytes(be)[0], lead)  # scanned and stored again

@@ -226,7 +226,7 @@ def _read_lead_bytes(name: str, n_vocab: int) -> tuple[np.ndarray, np.ndarray] |
     try:
         with np.load(store.path("grammar", name), allow_pickle=False) as f:
             lead, eog = f["lead"], f["eog"]
-    except (OSError, ValueError, KeyError, EOFError):
+    except Exception:  # noqa: BLE001 - missing, truncated, not an .npz: read as missing
         return None
     if lead.shape != (n_vocab, 2) or lead.dtype != np.uint8 or eog.dtype != np.int32 or \
             eog.ndim != 1 or (len(eog) and not 0 <= int(eog.min()) <= int(eog.max()) < n_vocab):
