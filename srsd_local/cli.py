@@ -137,6 +137,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     cfg.setdefault("n_ctx", 4096)
     if args.no_controller:
         cfg.update(adaptive=False, max_nodes=16, max_branches=4)
+    if args.host_replay and (args.concurrency or cfg.get("rpc_servers")
+                             or cfg.get("sample_in_graph")):
+        raise ValueError("--host-replay goes with a side-by-side run on one machine: not "
+                         "with --concurrency, --rpc or --sample-in-graph")
     load = lambda: Engine.load(args.model, learned=False,  # noqa: E731
                                calibrate=_calibrate(args), **cfg)
     if cfg.get("rpc_servers") and not args.concurrency:  # local and split, in one run
@@ -209,6 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-verify", action="store_true",
                    help="skip checking greedy outputs against plain decoding at every "
                         "position (the check re-decodes each distinct output once, untimed)")
+    b.add_argument("--host-replay", action="store_true",
+                   help="also run every engine generation (greedy or seeded) again with its "
+                        "forward passes served from a recording, untimed, and report host "
+                        "ms per step without a pass flushing the caches between steps (what "
+                        "a GPU's steps leave the host): the 'replayed' columns")
     b.add_argument("--no-controller", action="store_true",
                    help="ablation: verify fixed trees (16 nodes, 4 branches) every step "
                         "instead of letting the cost/acceptance controller choose")

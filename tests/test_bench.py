@@ -482,6 +482,52 @@ def test_run_bench_interleaves_modes_warms_up_and_compares_greedy_tokens():
         run_bench(eng, prompts, ["ar", "lcp-pld"], progress=False)
 
 
+class ReplayEngine(FakeEngine):
+    """Replays report host times of 0.1 ms (ar) or 0.25 ms per plain step, twice that per
+    tree (ar's replays have none)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.replays: list[tuple[str, str, int]] = []
+
+    def replayed_stats(self, prompt, *, max_tokens, temperature, seed, mode):
+        self.replays.append((prompt, mode, len(self.calls)))
+        trees = [] if mode == "ar" else [(12, 11, 5)] * 2
+        return _stats(mode, max_tokens, 1.0, [(1, 0, 0)] * 4 + trees,
+                      host=0.0001 if mode == "ar" else 0.00025)
+
+
+def test_run_bench_host_replay_replays_engine_runs_after_the_prompts_timed_runs():
+    eng = ReplayEngine()
+    prompts = [BenchPrompt("g", "c", "P1", 8), BenchPrompt("s", "c", "P2", 8, 0.8, 1),
+               BenchPrompt("u", "c", "P3", 8, 0.8, None)]  # sampled without a seed: not
+    peers = {"llama-server": FakePeer([7])}
+    modes = ["ar", "srsd", "llama-server"]
+    recs = run_bench(eng, prompts, modes, peers=peers, progress=False, host_replay=True)
+    assert [(p, m) for p, m, _ in eng.replays] == [("P1", "ar"), ("P1", "srsd"),
+                                                   ("P2", "ar"), ("P2", "srsd")]
+    # each prompt's replays come after all of its timed runs
+    timed = [i for i, c in enumerate(eng.calls) if c[0] == "P1"]
+    assert all(at > max(timed) for p, _, at in eng.replays if p == "P1")
+    got = {(r.prompt_id, r.mode): r.replay for r in recs}
+    assert got[("g", "llama-server")] is None and got[("u", "srsd")] is None
+    assert got[("g", "srsd")] is not None
+    s = summarise(recs, modes)
+    o = s["modes"]
+    assert o["ar"]["replay_host_ms_plain"] == pytest.approx(0.1)
+    assert o["srsd"]["replay_host_ms_plain"] == pytest.approx(0.25)
+    assert o["srsd"]["replay_host_ms_tree16"] == pytest.approx(0.5)
+    assert o["ar"]["replay_host_ms_tree16"] is None  # its replays verified no 9-16 tree...
+    assert o["llama-server"]["replay_host_ms_plain"] is None  # ... and peers are not replayed
+    assert s["prompts"][1]["replay_stats"]["tokens"] == 8
+    t = table(s, modes)
+    assert "replayed: host ms / plain step | replayed: host ms / 9-16-node tree" in t
+    assert "| overall | srsd | " in t and "| 0.250 | 0.500 |" in t
+    plain = run_bench(FakeEngine(), prompts[:1], ["ar"], progress=False)
+    assert plain[0].replay is None
+    assert "replayed" not in table(summarise(plain, ["ar"]), ["ar"])
+
+
 def test_run_bench_constrains_json_prompts_and_checks_their_outputs():
     from srsd_local.bench.report import summarise
 
@@ -630,6 +676,24 @@ def test_real_bench_run_writes_table_json_plot_and_doc(tmp_path):
     assert data["machine"]["cores"] >= 1 and len(data["prompts"]) == 3
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     assert "<!-- bench:test -->" in doc.read_text()
+
+
+@pytest.mark.model
+def test_real_bench_host_replay_reports_the_replayed_columns(tmp_path):
+    proc, out = _bench(tmp_path, "ar,srsd", "--host-replay", "--no-verify")
+    data = json.loads(out.read_text())
+    assert "replayed: host ms / plain step" in proc.stdout
+    for m in ("ar", "srsd"):
+        assert data["modes"][m]["tokens"] == 24
+        rs = [p["replay_stats"] for p in data["prompts"] if p["mode"] == m]
+        assert len(rs) == 1 and rs[0]["tokens"] == 24
+    assert data["modes"]["ar"]["replay_host_ms_plain"] > 0
+
+
+def test_host_replay_refuses_runs_it_cannot_repeat():
+    proc = subprocess.run([sys.executable, "-m", "srsd_local.cli", "bench", "--host-replay",
+                           "--concurrency", "1,2"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "--host-replay goes with a side-by-side run" in proc.stderr
 
 
 def _built_llama_server() -> Path | None:

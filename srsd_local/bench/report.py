@@ -36,6 +36,8 @@ class RunRecord:
     verify: dict[str, Any] | None = None  # VerifyReport.to_dict() (greedy, when checked)
     valid: bool | None = None  # the output satisfies the prompt's JSON schema (when it has one)
     invalid_reason: str | None = None
+    # the same generation replayed without the forward passes (--host-replay): its host times
+    replay: GenerationStats | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"prompt_id": self.prompt_id, "category": self.category, "mode": self.mode,
@@ -43,7 +45,8 @@ class RunRecord:
                 "seconds": self.stats.seconds, "identical_to_ar": self.identical_to_ar,
                 "token_ids": self.token_ids, "stats": self.stats.to_dict(),
                 "verify": self.verify, "valid": self.valid,
-                "invalid_reason": self.invalid_reason}
+                "invalid_reason": self.invalid_reason,
+                "replay_stats": None if self.replay is None else self.replay.to_dict()}
 
 
 def verify_totals(reports: Iterable[dict[str, Any] | None]) -> dict[str, Any] | None:
@@ -77,6 +80,8 @@ def aggregate(recs: Iterable[RunRecord], mode: str) -> dict[str, Any]:
     valid = [r.valid for r in recs if r.valid is not None]
     plain_steps = len(t.tree_sizes) - t.drafts
     secs = t.seconds
+    replays = [r.replay for r in recs if r.replay is not None]
+    rt = GenerationStats.total(replays, mode=mode) if replays else None
 
     def share(x: float) -> float | None:
         return None if peer else (x / secs if secs else 0.0)
@@ -98,6 +103,10 @@ def aggregate(recs: Iterable[RunRecord], mode: str) -> dict[str, Any]:
         "host_ms_plain": t.host_ms_plain if plain_steps > 0 else None,
         "host_ms_tree": t.host_ms_tree if t.drafts else None,
         "host_ms_tree16": t.host_ms_tree16 if t.trees16 else None,
+        # replayed without the forward passes (caches not flushed by a pass)
+        "replay_host_ms_plain": rt.host_ms_plain
+        if rt is not None and len(rt.tree_sizes) > rt.drafts else None,
+        "replay_host_ms_tree16": rt.host_ms_tree16 if rt is not None and rt.trees16 else None,
         "prompt_tokens": t.prompt_tokens, "prompt_seconds": t.prompt_seconds,
         "identical_to_ar": (sum(same), len(same)) if same else None,
         "forced_tokens": None if peer else t.forced_tokens,
@@ -144,10 +153,16 @@ def table(summary: dict[str, Any], modes: Sequence[str]) -> str:
     every position: positions checked / mismatches / worst mismatch gap / rounding noise."""
     spec = SPEC_PEER in modes
     constrained = any(b[m]["valid"] is not None for _, b in _blocks(summary) for m in modes)
+    replayed = any(b[m].get("replay_host_ms_plain") is not None or
+                   b[m].get("replay_host_ms_tree16") is not None
+                   for _, b in _blocks(summary) for m in modes)
     cols = ["category", "mode", "tokens/s", "speedup vs ar"]
     cols += [f"speedup vs {SPEC_PEER}"] if spec else []
     cols += ["tokens/step", "acceptance", "host ms / plain step", "host ms / tree",
-             "host ms / 9-16-node tree", "same as ar", "checked / mismatches / worst gap / noise"]
+             "host ms / 9-16-node tree"]
+    cols += ["replayed: host ms / plain step", "replayed: host ms / 9-16-node tree"] \
+        if replayed else []
+    cols += ["same as ar", "checked / mismatches / worst gap / noise"]
     cols += ["grammar-forced tokens", "valid outputs"] if constrained else []
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for cat, block in _blocks(summary):
@@ -159,8 +174,11 @@ def table(summary: dict[str, Any], modes: Sequence[str]) -> str:
                 cells.append(f"{_fmt(a['speedup_vs_llama_server_spec'])}x")
             cells += [_fmt(a["mean_accepted_length"]), _fmt(a["acceptance_rate"], ".0%"),
                       _fmt(a["host_ms_plain"], ".3f"), _fmt(a["host_ms_tree"], ".3f"),
-                      _fmt(a["host_ms_tree16"], ".3f"),
-                      "-" if same is None else f"{same[0]}/{same[1]}",
+                      _fmt(a["host_ms_tree16"], ".3f")]
+            if replayed:
+                cells += [_fmt(a.get("replay_host_ms_plain"), ".3f"),
+                          _fmt(a.get("replay_host_ms_tree16"), ".3f")]
+            cells += ["-" if same is None else f"{same[0]}/{same[1]}",
                       _verify_cell(a["verify"])]
             if constrained:
                 v, cut = a["valid"], a.get("valid_cut", 0)
@@ -262,7 +280,10 @@ def doc_section(summary: dict[str, Any], modes: Sequence[str], machine: dict[str
               "`draft_n_accepted / draft_n` from llama-server's timings). host ms: time outside "
               "llama_decode (from the end of one step to the end of the next, emitting "
               "included) per plain step, per verified tree, and per verified tree of 9-16 "
-              "nodes.", "",
+              "nodes; replayed (with --host-replay): the same host times when each greedy or "
+              "seeded generation is run again with its forward passes served from a "
+              "recording, so that no pass flushes the caches between steps (as on a GPU).",
+              "",
               calibration_table(summary), ""]
     return "\n".join(lines)
 

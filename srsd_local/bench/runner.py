@@ -53,11 +53,14 @@ Verifier = Callable[..., Any]  # (prompt, output ids[, json_schema=]) -> a Verif
 
 def run_bench(engine: Any, prompts: Sequence[BenchPrompt], modes: Sequence[str],
               repeats: int = 1, peers: Mapping[str, Peer] | None = None,
-              progress: bool = True, verify: Verifier | None = None) -> list[RunRecord]:
+              progress: bool = True, verify: Verifier | None = None,
+              host_replay: bool = False) -> list[RunRecord]:
     """Every mode on every prompt, `repeats` times, modes interleaved per prompt; a greedy
     run's tokens are compared with the same prompt's `ar` run and, with `verify`, checked
     against plain decoding at every position (after the timed run; an output seen before for
-    the same prompt is checked once)."""
+    the same prompt is checked once). With `host_replay`, once every mode of a prompt ran,
+    each engine run of it (greedy or seeded) is recorded and replayed without the forward
+    passes (`Engine.replayed_stats`): the host times of the replay go with its record."""
     from tqdm import tqdm  # noqa: PLC0415
 
     peers = peers or {}
@@ -97,6 +100,16 @@ def run_bench(engine: Any, prompts: Sequence[BenchPrompt], modes: Sequence[str],
     records: list[RunRecord] = []
     checked: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
 
+    def replay(p: BenchPrompt, recs: list[RunRecord]) -> None:
+        if not host_replay or (p.temperature != 0.0 and p.seed is None):
+            return
+        for rec in recs:
+            if not rec.peer:
+                bar.set_postfix_str(f"{p.id} {rec.mode} (replay)")
+                rec.replay = engine.replayed_stats(
+                    p.prompt, max_tokens=p.max_tokens, temperature=p.temperature,
+                    seed=p.seed, mode=rec.mode, **p.constraint)
+
     def check(p: BenchPrompt, rec: RunRecord) -> None:
         if verify is None or rec.token_ids is None or p.temperature != 0.0:
             return
@@ -111,6 +124,7 @@ def run_bench(engine: Any, prompts: Sequence[BenchPrompt], modes: Sequence[str],
         for p in prompts:
             for r in range(repeats):
                 ar_ids: list[int] | None = None
+                group: list[RunRecord] = []
                 for mode in modes:
                     bar.set_postfix_str(f"{p.id} {mode}")
                     rec = one(p, mode, r)
@@ -121,7 +135,9 @@ def run_bench(engine: Any, prompts: Sequence[BenchPrompt], modes: Sequence[str],
                         rec.identical_to_ar = rec.token_ids == ar_ids
                     check(p, rec)
                     records.append(rec)
+                    group.append(rec)
                     bar.update(1)
+                replay(p, group)
     finally:
         bar.close()
     return records
@@ -219,7 +235,8 @@ def main_bench(args: Any, engine_factory: Callable[[], Any]) -> int:
         modes, peers = start_peers(modes, PeerSettings.of(engine),
                                    getattr(args, "llama_server", None))
         verify = None if getattr(args, "no_verify", False) else engine.verify_output
-        records = run_bench(engine, prompts, modes, args.repeats, peers, verify=verify)
+        records = run_bench(engine, prompts, modes, args.repeats, peers, verify=verify,
+                            host_replay=getattr(args, "host_replay", False))
         summary = summarise(records, modes)
         summary["machine"] = machine_info(engine)
         summary["config"] = engine.config.to_dict()

@@ -61,6 +61,7 @@ from ..spec.verify import walk_tree
 from .calibrate import CALIBRATED_FIELDS, calibrate_first_use, load_calibration_file
 from .emit import Emitter, check_stop
 from .profile import load_cost_model, save_cost_model
+from .replay import replayed_stats
 from .slots import Slot, Work, pick
 from .stats import GenerationStats
 from .verify import VerifyReport, verify_tokens
@@ -371,6 +372,13 @@ class Engine:
         with self._lock:
             return verify_tokens(self, prompt, tokens, constraint=state)
 
+    def replayed_stats(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationStats:
+        """`generate(prompt, **kwargs)` recorded, then replayed without running the model:
+        the stats of the replay, whose host times are the engine's work between forward
+        passes on caches no pass flushed (see engine/replay.py). The learned state is left as
+        it was; the context is reset."""
+        return replayed_stats(self, prompt, **kwargs)
+
     def generate_many(self, prompts: Sequence[str | Sequence[int] | dict[str, Any]],
                       **kwargs: Any) -> list[GenerationResult]:
         """Generate for every prompt, up to `parallel` at a time in shared batches; results
@@ -491,6 +499,9 @@ class Engine:
             return
         be = self.backend
         d0 = be.decode_seconds
+        replay = be.replay  # (a recorded or replayed generation: see replay.py)
+        if replay is not None:
+            replay.take_seconds()
         try:
             if len(works) == 1 and len(works[0][1]) == 1 and works[0][1].flags[0]:
                 w = works[0][1]  # a plain step of one request: the fast path
@@ -509,7 +520,10 @@ class Engine:
         if self.config.adaptive and not any(w.prefill for _, w in works):
             n = sum(len(w) for _, w in works)
             ctx = sum(j.slot.n_past * len(w) for j, w in works) // n
-            self.speculator.observe_cost(n, time.perf_counter() - t0, ctx)
+            # replayed: what the recorded passes took, so that the decisions repeat
+            seconds = (time.perf_counter() - t0 if replay is None else
+                       replay.take_seconds())
+            self.speculator.observe_cost(n, seconds, ctx)
 
     def _chunk_size(self, decoding_tokens: int) -> int:
         """Prompt tokens to prefill next to `decoding_tokens` of other requests: the

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..config import SRSDConfig, environment
 from .capture import CompiledCapture, HiddenCapture, make_capture, resolve_layer
+from .replay import PassReplay
 
 
 class DecodeError(RuntimeError):
@@ -203,6 +204,8 @@ class Backend:
             self._views: dict[tuple[int | None, int], np.ndarray] = {}
             self.n_past = 0  # tokens of sequence 0 in the KV cache
             self.decode_seconds = 0.0  # time spent inside llama_decode, ever
+            # a recording of llama_decode calls, recorded or served (engine/replay.py)
+            self.replay: PassReplay | None = None
             # recurrent and hybrid models keep a state that cannot roll back part of a
             # sequence: no trees there (the engine decodes plainly and says so once)
             self.can_speculate = not (L.llama_model_is_recurrent(self.model)
@@ -356,7 +359,7 @@ class Backend:
             elif n_out:  # not copied out by llama.cpp: every row was sampled in its graph
                 logits_parts.append(np.broadcast_to(np.float32(np.nan), (n_out, self.n_vocab)))
             if self.capture is not None:
-                hidden_parts.append(self.capture.rows())
+                hidden_parts.append(self._captured())
         if seq_ids is None:  # a plain decode of sequence 0; tree passes end with commit()
             self.n_past = max(self.n_past, top)
         logits = (logits_parts[0] if len(logits_parts) == 1 else
@@ -408,10 +411,20 @@ class Backend:
             self.capture.reset()
         self._decode_batch(1)
         return DecodeOutput(self._logits(1), None if self.capture is None
-                            else self.capture.rows())
+                            else self._captured())
+
+    def _captured(self) -> np.ndarray | None:
+        """The hidden rows the last llama_decode call captured."""
+        rep = self.replay
+        if rep is not None and rep.serving:
+            return rep.captured()
+        return self.capture.rows()
 
     def _logits(self, n_out: int) -> np.ndarray:
         """The logits rows of the last decode as an array view (views cached per address)."""
+        rep = self.replay
+        if rep is not None and rep.serving:
+            return rep.logits
         key = (_get_logits_address(self._L, self.ctx), n_out)
         view = self._views.get(key)
         if view is None:
@@ -442,10 +455,17 @@ class Backend:
                     row[j] = s
 
     def _decode_batch(self, m: int) -> None:
+        rep = self.replay
+        if rep is not None and rep.serving:
+            rep.serve(self, m)
+            return
         t0 = time.perf_counter()
         rc = self._L.llama_decode(self.ctx, self._batch)
-        self.decode_seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.decode_seconds += dt
         if rc == 0:
+            if rep is not None:
+                rep.record(self, m, dt)
             return
         if rc == 1:
             raise ContextFullError(f"context is full: no KV cache slot for {m} more tokens "

@@ -1,0 +1,71 @@
+"""A backend's llama_decode calls recorded, then served instead of running the model: the
+engine's host work measured without the forward passes (see srsd_local/engine/replay.py)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+
+class ReplayMismatch(RuntimeError):
+    """The replayed generation asked for a forward pass the recording does not have."""
+
+
+class PassReplay:
+    """A backend's llama_decode calls, recorded (`serving` False) or served (True)."""
+
+    def __init__(self) -> None:
+        self.serving = False
+        self.passes: dict[tuple, tuple[np.ndarray | None, np.ndarray | None, float]] = {}
+        self.served = 0  # llama_decode calls served from the recording
+        self.logits: np.ndarray | None = None  # the rows of the call served last
+        self._rows: np.ndarray | None = None  # where served rows are written (reused)
+        self.hidden: np.ndarray | None = None
+        self._seconds = 0.0  # recorded llama_decode seconds since the last take_seconds()
+
+    @staticmethod
+    def key(be: Any, m: int) -> tuple:
+        seqs = be._p_seq
+        ids = tuple(tuple(seqs[i][j] for j in range(int(be._b_nseq[i]))) for i in range(m))
+        return (be._b_tok[:m].tobytes(), be._b_pos[:m].tobytes(),
+                be._b_logits[:m].tobytes(), ids)
+
+    def record(self, be: Any, m: int, seconds: float) -> None:
+        """After a real llama_decode of the batch's first m rows (untimed work)."""
+        n_out = int(np.count_nonzero(be._b_logits[:m]))
+        logits = be._logits(n_out).copy() if n_out else None
+        hidden = be.capture.rows() if be.capture is not None else None
+        self.passes[self.key(be, m)] = (logits, hidden, seconds)
+        self._seconds += seconds
+
+    def serve(self, be: Any, m: int) -> None:
+        """Instead of llama_decode: the recorded rows of this batch become the last call's."""
+        got = self.passes.get(self.key(be, m))
+        if got is None:
+            raise ReplayMismatch(f"the replay asked for a pass of {m} tokens that the "
+                                 "recording does not have (its decisions diverged)")
+        logits, self.hidden, seconds = got
+        # the rows written where the engine reads them, as llama.cpp writes its rows at the
+        # end of llama_decode: counted as llama_decode time, not host time
+        t0 = time.perf_counter()
+        if logits is None:
+            self.logits = None
+        else:
+            n, width = logits.shape
+            if self._rows is None or self._rows.shape[0] < n or self._rows.shape[1] != width:
+                self._rows = np.empty((max(n, 1), width), np.float32)
+            self.logits = self._rows[:n]
+            np.copyto(self.logits, logits)
+        be.decode_seconds += time.perf_counter() - t0
+        self._seconds += seconds
+        self.served += 1
+
+    def captured(self) -> np.ndarray | None:
+        return None if self.hidden is None else self.hidden.copy()
+
+    def take_seconds(self) -> float:
+        """Recorded llama_decode seconds since the last call."""
+        s, self._seconds = self._seconds, 0.0
+        return s
