@@ -40,10 +40,13 @@ if [[ -n "${LLAMA_SERVER:-}" ]]; then peer=(--llama-server "$LLAMA_SERVER"); fi
 python3 scripts/logits_cost.py --model "$model" --n-gpu-layers -1 2>&1 \
     | tee "$out/logits-cost.md"
 # the ablation (n-gram pool alone, hidden states alone, both: srsd) and the host time per step
-# outside llama_decode are columns of the table
+# outside llama_decode are columns of the table; --host-replay adds the same host times with
+# the passes served from a recording (on a GPU the two should be close: a pass there does not
+# flush the host's caches; on a CPU it does)
 modes=${MODES:-ar,pld,ngram,retrieval,srsd,llama-server,llama-server-spec}
 python3 -m srsd_local.cli bench --model "$model" --workload "$workload" --modes "$modes" \
     --max-prompts "$max_prompts" --n-gpu-layers -1 --label GPU ${peer[@]+"${peer[@]}"} \
+    --host-replay \
     --json "$out/gpu.json" --plot "$out/gpu.png" --doc "$out/benchmarks-gpu.md" \
     2>&1 | tee "$out/bench.log"
 # greedy trees with the argmax in llama.cpp's graph (--sample-in-graph) against the default
