@@ -35,6 +35,7 @@ class FakeBackend:
         self.seqs: dict[int, list[int]] = {0: []}
         self.decode_calls: list[int] = []
         self.decode_seconds = 0.0
+        self.replay = None  # as Backend's: no recording (engine/replay.py needs llama.cpp)
         self.step_cost = step_cost  # n tokens -> seconds a decode takes (slept), if given
         self.n_layer = 4
         self.can_speculate = True  # False: a recurrent model (no partial roll-back)

@@ -399,3 +399,30 @@ def test_trees_run_padded_to_the_cheapest_profiled_size_and_still_equal_plain():
     # the dummies left nothing behind: the context holds exactly prompt + output
     slot = eng.slots[0]
     assert eng.backend.seqs[slot.base] == list(slot.ctx[: slot.n_past])
+
+
+def test_a_failure_after_the_pass_fails_the_request_not_the_worker(monkeypatch):
+    """An exception raised in a scheduler step outside the forward pass itself (here: the
+    cost model's update after it) reaches the submitted request as its error; the worker
+    thread lives on and serves the next request."""
+    from srsd_local.spec.speculator import Speculator
+
+    eng = make_engine(parallel=2)
+    try:
+        real, calls = Speculator.observe_cost, []
+
+        def failing(self, *a):
+            calls.append(1)
+            if len(calls) == 2:
+                raise RuntimeError("planted failure after the pass")
+            return real(self, *a)
+
+        monkeypatch.setattr(Speculator, "observe_cost", failing)
+        with pytest.raises(RuntimeError, match="planted failure after the pass"):
+            collect(eng.submit(prompt=PROMPT, max_tokens=20, mode="ar"))
+        monkeypatch.undo()
+        again = collect(eng.submit(prompt=PROMPT, max_tokens=20, mode="ar"))
+        assert again.token_ids == make_engine().generate(PROMPT, max_tokens=20,
+                                                         mode="ar").token_ids
+    finally:
+        eng.close()

@@ -620,7 +620,11 @@ class Engine:
                     active.remove(j)
                     self._retire(j)
                 step.works = [(j, w) for j, w in step.works if not j.done]
-                self._run_pass(step)
+                try:
+                    self._run_pass(step)
+                except BaseException as exc:  # noqa: BLE001 - a failure outside the pass
+                    for job, _ in step.works:  # itself fails the step's requests, never
+                        job.fail(exc, throw=True)  # the worker thread they all wait on
 
     # -- the generation loop ----------------------------------------------------------------
     def _prefill(self, job: _Job) -> Generator[Work, None, tuple[np.ndarray, int]]:
