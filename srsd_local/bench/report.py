@@ -153,8 +153,8 @@ def table(summary: dict[str, Any], modes: Sequence[str]) -> str:
     every position: positions checked / mismatches / worst mismatch gap / rounding noise."""
     spec = SPEC_PEER in modes
     constrained = any(b[m]["valid"] is not None for _, b in _blocks(summary) for m in modes)
-    replayed = any(b[m].get("replay_host_ms_plain") is not None or
-                   b[m].get("replay_host_ms_tree16") is not None
+    replayed = any(b[m]["replay_host_ms_plain"] is not None or
+                   b[m]["replay_host_ms_tree16"] is not None
                    for _, b in _blocks(summary) for m in modes)
     cols = ["category", "mode", "tokens/s", "speedup vs ar"]
     cols += [f"speedup vs {SPEC_PEER}"] if spec else []
@@ -176,8 +176,8 @@ def table(summary: dict[str, Any], modes: Sequence[str]) -> str:
                       _fmt(a["host_ms_plain"], ".3f"), _fmt(a["host_ms_tree"], ".3f"),
                       _fmt(a["host_ms_tree16"], ".3f")]
             if replayed:
-                cells += [_fmt(a.get("replay_host_ms_plain"), ".3f"),
-                          _fmt(a.get("replay_host_ms_tree16"), ".3f")]
+                cells += [_fmt(a["replay_host_ms_plain"], ".3f"),
+                          _fmt(a["replay_host_ms_tree16"], ".3f")]
             cells += ["-" if same is None else f"{same[0]}/{same[1]}",
                       _verify_cell(a["verify"])]
             if constrained:

@@ -57,9 +57,7 @@ def replayed_stats(engine: Any, prompt: str | list[int], **kwargs: Any) -> Gener
             engine.forget_outputs()
             engine.reset()
             be.replay = rep
-            out = engine.generate(prompt, **kwargs)
-            be.replay = None
-            outputs.append(out)
+            outputs.append(engine.generate(prompt, **kwargs))
         if outputs[0].token_ids != outputs[1].token_ids:
             raise ReplayMismatch("the replayed generation's tokens differ from the recording")
         return outputs[1].stats

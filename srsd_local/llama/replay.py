@@ -19,7 +19,6 @@ class PassReplay:
     def __init__(self) -> None:
         self.serving = False
         self.passes: dict[tuple, tuple[np.ndarray | None, np.ndarray | None, float]] = {}
-        self.served = 0  # llama_decode calls served from the recording
         self.logits: np.ndarray | None = None  # the rows of the call served last
         self._rows: np.ndarray | None = None  # where served rows are written (reused)
         self.hidden: np.ndarray | None = None
@@ -55,12 +54,11 @@ class PassReplay:
         else:
             n, width = logits.shape
             if self._rows is None or self._rows.shape[0] < n or self._rows.shape[1] != width:
-                self._rows = np.empty((max(n, 1), width), np.float32)
+                self._rows = np.empty((n, width), np.float32)
             self.logits = self._rows[:n]
             np.copyto(self.logits, logits)
         be.decode_seconds += time.perf_counter() - t0
         self._seconds += seconds
-        self.served += 1
 
     def captured(self) -> np.ndarray | None:
         return None if self.hidden is None else self.hidden.copy()
