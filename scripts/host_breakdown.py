@@ -1,0 +1,153 @@
+"""Where the engine's host time goes, component by component, in the steps that verify a tree.
+
+    python scripts/host_breakdown.py [--workload code_edit,text_edit,humaneval,code_continue]
+        [--per-category 3] [--repeat 2] [--mode srsd] [--n-ctx 4096] [--replay]
+
+Each prompt is generated `--repeat` times from the same learned state (greedy, the prompt's
+own max_tokens); the named functions of the drafting, planning, walk and commit are timed
+around every call (the timers add a few microseconds per call, so the totals are slightly
+high). Printed: one markdown table, per component its calls, milliseconds per call and in all
+(drafting runs in the steps that verify a tree and in those where nothing was found or the
+controller declined; the walk, fork and commit only in the former); the walk's row reads (the
+model's token after each accepted node: one logits row read each) in microseconds per row;
+and the host time per tree step as the engine's own stats measure it, for comparison.
+
+With `--replay`, every generation is recorded once and the timed runs are replays (each
+llama_decode call served from the recording, see srsd_local/engine/replay.py): the same code
+on caches no forward pass has flushed, as between a GPU's steps.
+
+A dev tool for finding what to make cheaper; `srsd-local bench` measures the host time per
+step that the project's budget is about.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import importlib
+import statistics
+import time
+from collections import Counter, defaultdict
+
+from srsd_local import Engine
+from srsd_local.bench.workloads import first_per_category, load_workload
+from srsd_local.llama.replay import PassReplay
+
+# (module, attribute path, label): timed around every call
+COMPONENTS = [
+    ("srsd_local.spec.speculator", "Speculator.propose", "drafting and planning (all)"),
+    ("srsd_local.spec.draft", "Drafter.draft", "  drafting (sources, merge, prune)"),
+    ("srsd_local.spec.retrieval", "SemanticDrafter.propose", "    hidden-state retrieval"),
+    ("srsd_local.spec.index", "VectorIndex._flush", "      index: store pending rows"),
+    ("srsd_local.spec.ngram_mod", "NgramModDrafter.propose", "    n-gram pool"),
+    ("srsd_local.spec.textlookup", "TextLookupDrafter.propose", "    text lookup"),
+    ("srsd_local.spec.textlookup", "TokenCache.tokens", "      tokenizer calls"),
+    ("srsd_local.spec.analogy", "AnalogyDrafter.propose", "    analogy"),
+    ("srsd_local.spec.listcopy", "ListCopyDrafter.propose", "    list copy"),
+    ("srsd_local.spec.speculator", "Speculator._plan", "  planning (controller)"),
+    ("srsd_local.spec.speculator", "Speculator._settle", "  learning unverified nodes"),
+    ("srsd_local.spec.speculator", "Speculator.follow", "copy-run chains"),
+    ("srsd_local.spec.textlookup", "ContextText.sync", "context text kept in step"),
+    ("srsd_local.spec.tree", "TokenTree.layout", "tree layout"),
+    ("srsd_local.llama.backend", "Backend.seq_fork", "KV: fork branches"),
+    ("srsd_local.engine.engine", "walk_tree", "walk (row reads)"),
+    ("srsd_local.llama.backend", "Backend.seq_commit", "KV: commit the path"),
+    ("srsd_local.spec.speculator", "Speculator.observe", "learning verified nodes"),
+    ("srsd_local.engine.emit", "Emitter.push", "emitting text"),
+]
+
+
+def _timed(fn, label: str, totals: dict, calls: Counter):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[label] += time.perf_counter() - t0
+            calls[label] += 1
+    return wrapper
+
+
+def install(totals: dict, calls: Counter) -> None:
+    """Wrap every component (a function imported by name elsewhere is wrapped there too)."""
+    for mod_name, attr, label in COMPONENTS:
+        mod = importlib.import_module(mod_name)
+        owner_name, _, name = attr.rpartition(".")
+        owner = getattr(mod, owner_name) if owner_name else mod
+        setattr(owner, name, _timed(getattr(owner, name), label, totals, calls))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workload", default="code_edit,text_edit,humaneval,code_continue")
+    ap.add_argument("--per-category", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--mode", default="srsd")
+    ap.add_argument("--n-ctx", type=int, default=4096)
+    ap.add_argument("--replay", action="store_true")
+    args = ap.parse_args()
+
+    totals: dict[str, float] = defaultdict(float)
+    calls: Counter = Counter()
+    rows_read: list[int] = []
+    install(totals, calls)
+    from srsd_local.engine import engine as engine_mod  # noqa: PLC0415 (wrapped above)
+    walk = engine_mod.walk_tree
+
+    def counting_walk(tree, row, sample):
+        path, y = walk(tree, row, sample)
+        rows_read.append(len(path))
+        return path, y
+    engine_mod.walk_tree = counting_walk
+
+    eng = Engine.load(n_ctx=args.n_ctx)
+    prompts = [p for spec in args.workload.split(",")
+               for p in first_per_category(load_workload(spec), args.per_category)]
+    learned = copy.deepcopy(eng.speculator)
+    recordings: dict[str, PassReplay] = {}
+    tree_steps, host_tree = 0, 0.0
+    for rep in range(args.repeat + (1 if args.replay else 0)):
+        timed = not args.replay or rep > 0
+        for p in prompts:
+            eng.speculator = copy.deepcopy(learned)
+            eng.forget_outputs()
+            eng.reset()
+            if args.replay:
+                rec = recordings.setdefault(p.id, PassReplay())
+                rec.serving = rep > 0
+                eng.backend.replay = rec
+            try:
+                out = eng.generate(p.prompt, max_tokens=p.max_tokens, mode=args.mode)
+            finally:
+                eng.backend.replay = None
+            if timed:
+                tree_steps += out.stats.drafts
+                host_tree += out.stats.host_tree
+        if not timed:  # the recording run: its times are not counted
+            totals.clear()
+            calls.clear()
+            rows_read.clear()
+    eng.close()
+    if not tree_steps:
+        raise SystemExit("no step verified a tree: nothing to break down")
+    kind = "replayed" if args.replay else "real"
+    print(f"{len(prompts)} prompts x {args.repeat}, mode {args.mode}, {kind} runs: "
+          f"{tree_steps} steps verified a tree, host time per such step "
+          f"{1e3 * host_tree / tree_steps:.3f} ms (the engine's stats)\n")
+    print("| component | calls | ms per call | ms in all |")
+    print("|---|---:|---:|---:|")
+    for _, _, label in COMPONENTS:
+        n = calls[label]
+        if n:
+            print(f"| {label} | {n} | {1e3 * totals[label] / n:.3f} | "
+                  f"{1e3 * totals[label]:.1f} |")
+    walk_label = "walk (row reads)"
+    if rows_read and calls[walk_label]:
+        print(f"\nwalk: {statistics.mean(rows_read):.1f} rows read per tree, "
+              f"{1e6 * totals[walk_label] / sum(rows_read):.1f} us per row")
+
+
+if __name__ == "__main__":
+    main()
