@@ -137,10 +137,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     cfg.setdefault("n_ctx", 4096)
     if args.no_controller:
         cfg.update(adaptive=False, max_nodes=16, max_branches=4)
-    if args.host_replay and (args.concurrency or cfg.get("rpc_servers")
-                             or cfg.get("sample_in_graph")):
+    if args.host_replay and (args.concurrency or cfg.get("rpc_servers")):
         raise ValueError("--host-replay goes with a side-by-side run on one machine: not "
-                         "with --concurrency, --rpc or --sample-in-graph")
+                         "with --concurrency or --rpc")
     load = lambda: Engine.load(args.model, learned=False,  # noqa: E731
                                calibrate=_calibrate(args), **cfg)
     if cfg.get("rpc_servers") and not args.concurrency:  # local and split, in one run

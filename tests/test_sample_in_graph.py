@@ -94,3 +94,49 @@ def test_cli_flag_reaches_the_engine_config():
         off = _engine_config(build_parser().parse_args(cmd))
         assert SRSDConfig(**on).sample_in_graph is True, cmd
         assert SRSDConfig(**off).sample_in_graph is False, cmd
+
+
+def test_trees_sampled_in_graph_replay_from_their_recording(graph_engine, monkeypatch):
+    """Host replay of in-graph sampling (the configuration meant for GPUs): the recording
+    keeps the token llama.cpp's graph took for each tree row, the replay serves them (no
+    llama_decode of its own, no logits rows for those rows), and its output is the recorded
+    one (checked inside replayed_stats)."""
+    from srsd_local.llama.replay import PassReplay, ReplayMismatch
+
+    be = graph_engine.backend
+    real = {"decode": 0, "sampled": 0}
+    decode, sampled = be._L.llama_decode, be._L.llama_get_sampled_token_ith
+
+    def counting_decode(ctx, batch):
+        real["decode"] += 1
+        return decode(ctx, batch)
+
+    def counting_sampled(ctx, i):
+        real["sampled"] += 1
+        return sampled(ctx, i)
+
+    served = []
+    serve = PassReplay.serve
+
+    def counting_serve(self, backend, m):
+        served.append(m)
+        return serve(self, backend, m)
+
+    monkeypatch.setattr(be._L, "llama_decode", counting_decode)
+    monkeypatch.setattr(be._L, "llama_get_sampled_token_ith", counting_sampled)
+    monkeypatch.setattr(PassReplay, "serve", counting_serve)
+    rows0 = be.graph_rows
+    stats = graph_engine.replayed_stats(EDIT.prompt, max_tokens=48, mode="srsd")
+    assert stats.tokens == 48 and stats.drafts > 0 and stats.host_tree > 0
+    assert real["decode"] == len(served) > 0  # the replay decoded nothing itself
+    # rows sampled in the graph in both runs: as many served as recorded, the served ones
+    # not read from llama.cpp (each recorded token was read twice: recording, then decode)
+    in_graph = be.graph_rows - rows0
+    assert in_graph > 0 and in_graph % 2 == 0
+    assert real["sampled"] == in_graph  # = 2 x the recorded rows: none read while serving
+
+    # a pass recorded without its in-graph tokens cannot be served as if it had them
+    rep = PassReplay()
+    rep._sampled = None
+    with pytest.raises(ReplayMismatch, match="in-graph sampled tokens"):
+        rep.sampled_rows()

@@ -20,8 +20,10 @@ wall time, which includes the host time that differs between the runs), so the c
 makes the same decisions and the passes repeat; a pass that was not recorded raises
 ReplayMismatch. A served pass's logits rows are first copied to where the engine reads them
 (as llama.cpp writes its rows at the end of llama_decode; the copy counts as llama_decode
-time), so the walk reads rows as fresh as in a real run. Not supported with llama.cpp's
-in-graph sampling.
+time), so the walk reads rows as fresh as in a real run. With llama.cpp's in-graph sampling
+(`sample_in_graph`) the tokens it took for a call's rows are recorded and served the same
+way: the host time of the configuration meant for GPUs, whose trees come back as token ids,
+measured on any machine.
 """
 
 from __future__ import annotations
@@ -41,17 +43,19 @@ def replayed_stats(engine: Any, prompt: str | list[int], **kwargs: Any) -> Gener
     The engine's learned state is what it was before the call; its context is reset (the
     next generation prefills from scratch). Sampled generations need a `seed` to repeat."""
     be = engine.backend
-    if be.graph_seqs:
-        raise ValueError("host replay does not support in-graph sampling (--sample-in-graph): "
-                         "run it without that option")
     if kwargs.get("temperature", 0.0) and kwargs.get("seed") is None:
         raise ValueError("a sampled generation repeats only with a seed: pass seed=...")
     original = engine.speculator
     snapshot = copy.deepcopy(original)
     rep = PassReplay()
     outputs = []
+    # both runs take the same slot (a free one is picked least recently used first), so
+    # their passes carry the same sequence ids
+    ticks = [s.last_used for s in engine.slots]
     try:
         for serving in (False, True):
+            for slot, tick in zip(engine.slots, ticks):
+                slot.last_used = tick
             rep.serving = serving
             engine.speculator = copy.deepcopy(snapshot)
             engine.forget_outputs()

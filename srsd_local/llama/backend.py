@@ -351,7 +351,7 @@ class Backend:
             n_out = int(np.count_nonzero(flags[s:e]))
             raw = True
             if n_out and self.graph_seqs and ids is not None:
-                raw, got = self._sampled(ids, flags[s:e])
+                raw, got = self._sampled(e - s)
                 sampled_parts.append(got)
             if n_out and raw:  # a view of llama.cpp's buffer: the next call overwrites it
                 view = self._logits(n_out)
@@ -374,23 +374,29 @@ class Backend:
                 sampled_parts[0]
         return DecodeOutput(logits=logits, hidden=hidden, sampled=sampled)
 
-    def _sampled(self, seq_ids: Sequence[Sequence[int]], flags: np.ndarray
-                 ) -> tuple[bool, np.ndarray]:
-        """After a llama_decode call: (whether llama.cpp copied the logits rows out, the
-        in-graph sampled token of each output row or -1). llama.cpp copies the rows unless
-        every output row's sequences all have a sampler; a row's sampler is its first
-        sequence's."""
-        graph, L = self.graph_seqs, self._L
-        out_rows = np.flatnonzero(flags)
+    def _sampled(self, m: int) -> tuple[bool, np.ndarray]:
+        """After a llama_decode call of the batch's first m rows: (whether llama.cpp copied
+        the logits rows out, the in-graph sampled token of each output row or -1); a served
+        call's as recorded. llama.cpp copies the rows unless every output row's sequences
+        all have a sampler; a row's sampler is its first sequence's."""
+        rep = self.replay
+        raw, got = (rep.sampled_rows() if rep is not None and rep.serving else
+                    self.graph_outputs(m))
+        self.graph_rows += int(np.count_nonzero(got >= 0))
+        return raw, got
+
+    def graph_outputs(self, m: int) -> tuple[bool, np.ndarray]:
+        """`_sampled`'s answer read from llama.cpp for the batch's first m rows (untimed)."""
+        graph, L, seqs, nseq = self.graph_seqs, self._L, self._p_seq, self._b_nseq
+        out_rows = np.flatnonzero(self._b_logits[:m])
         raw = False
         got = np.full(len(out_rows), -1, dtype=np.int32)
         for k, i in enumerate(out_rows.tolist()):
-            ids = seq_ids[i]
+            ids = [seqs[i][j] for j in range(int(nseq[i]))]
             if any(q not in graph for q in ids):
                 raw = True
             if ids[0] in graph:
                 got[k] = L.llama_get_sampled_token_ith(self.ctx, i)
-        self.graph_rows += int(np.count_nonzero(got >= 0))
         return raw, got
 
     def step(self, token: int) -> DecodeOutput:

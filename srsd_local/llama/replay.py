@@ -18,8 +18,12 @@ class PassReplay:
 
     def __init__(self) -> None:
         self.serving = False
-        self.passes: dict[tuple, tuple[np.ndarray | None, np.ndarray | None, float]] = {}
+        # per batch: (logits rows or None, hidden rows or None, seconds, llama.cpp's
+        # in-graph sampling of it or None: see Backend._sampled)
+        self.passes: dict[tuple, tuple[np.ndarray | None, np.ndarray | None, float,
+                                       tuple[bool, np.ndarray] | None]] = {}
         self.logits: np.ndarray | None = None  # the rows of the call served last
+        self._sampled: tuple[bool, np.ndarray] | None = None  # ... and its in-graph tokens
         self._rows: np.ndarray | None = None  # where served rows are written (reused)
         self.hidden: np.ndarray | None = None
         self._seconds = 0.0  # recorded llama_decode seconds since the last take_seconds()
@@ -34,9 +38,13 @@ class PassReplay:
     def record(self, be: Any, m: int, seconds: float) -> None:
         """After a real llama_decode of the batch's first m rows (untimed work)."""
         n_out = int(np.count_nonzero(be._b_logits[:m]))
-        logits = be._logits(n_out).copy() if n_out else None
+        # rows sampled in llama.cpp's graph: their tokens (and no logits, unless other rows
+        # of the call needed them copied out)
+        sampled = be.graph_outputs(m) if n_out and be.graph_seqs else None
+        raw = sampled is None or sampled[0]
+        logits = be._logits(n_out).copy() if n_out and raw else None
         hidden = be.capture.rows() if be.capture is not None else None
-        self.passes[self.key(be, m)] = (logits, hidden, seconds)
+        self.passes[self.key(be, m)] = (logits, hidden, seconds, sampled)
         self._seconds += seconds
 
     def serve(self, be: Any, m: int) -> None:
@@ -45,7 +53,7 @@ class PassReplay:
         if got is None:
             raise ReplayMismatch(f"the replay asked for a pass of {m} tokens that the "
                                  "recording does not have (its decisions diverged)")
-        logits, self.hidden, seconds = got
+        logits, self.hidden, seconds, self._sampled = got
         # the rows written where the engine reads them, as llama.cpp writes its rows at the
         # end of llama_decode: counted as llama_decode time, not host time
         t0 = time.perf_counter()
@@ -59,6 +67,14 @@ class PassReplay:
             np.copyto(self.logits, logits)
         be.decode_seconds += time.perf_counter() - t0
         self._seconds += seconds
+
+    def sampled_rows(self) -> tuple[bool, np.ndarray]:
+        """The served call's in-graph sampling, as Backend._sampled reads it from llama.cpp."""
+        if self._sampled is None:
+            raise ReplayMismatch("the replay asked for in-graph sampled tokens of a pass "
+                                 "recorded without them")
+        raw, got = self._sampled
+        return raw, got.copy()
 
     def captured(self) -> np.ndarray | None:
         return None if self.hidden is None else self.hidden.copy()
