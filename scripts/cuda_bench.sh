@@ -50,10 +50,12 @@ python3 -m srsd_local.cli bench --model "$model" --workload "$workload" --modes 
     --json "$out/gpu.json" --plot "$out/gpu.png" --doc "$out/benchmarks-gpu.md" \
     2>&1 | tee "$out/bench.log"
 # greedy trees with the argmax in llama.cpp's graph (--sample-in-graph) against the default
-# (every logits row copied out, numpy argmax), same prompts, one run each
+# (every logits row copied out, numpy argmax), same prompts, one run each; replayed too (the
+# host time per tree without the walk's row reads)
 if [[ -z "${SKIP_IN_GRAPH:-}" ]]; then
     python3 -m srsd_local.cli bench --model "$model" --workload "$workload" --modes ar,srsd \
         --max-prompts "$max_prompts" --n-gpu-layers -1 --sample-in-graph --label GPU-in-graph \
+        --host-replay \
         --json "$out/gpu-in-graph.json" --doc "$out/benchmarks-gpu.md" \
         2>&1 | tee "$out/bench-in-graph.log"
 fi

@@ -2,19 +2,23 @@
 
     python scripts/host_breakdown.py [--workload code_edit,text_edit,humaneval,code_continue]
         [--per-category 3] [--repeat 2] [--mode srsd] [--n-ctx 4096] [--replay]
+        [--sample-in-graph]
 
-Each prompt is generated `--repeat` times from the same learned state (greedy, the prompt's
-own max_tokens); the named functions of the drafting, planning, walk and commit are timed
-around every call (the timers add a few microseconds per call, so the totals are slightly
-high). Printed: one markdown table, per component its calls, milliseconds per call and in all
-(drafting runs in the steps that verify a tree and in those where nothing was found or the
-controller declined; the walk, fork and commit only in the former); the walk's row reads (the
-model's token after each accepted node: one logits row read each) in microseconds per row;
-and the host time per tree step as the engine's own stats measure it, for comparison.
+Each prompt is generated `--repeat` times from the same learned state (with the prompt's
+own settings: max_tokens, temperature and seed, JSON schema); the named functions of the
+drafting, planning, walk and commit are timed around every call (the timers add a few
+microseconds per call, so the totals are slightly high). Printed: one markdown table, per
+component its calls, milliseconds per call and in all (drafting runs in the steps that
+verify a tree and in those where nothing was found or the controller declined; the walk,
+fork and commit only in the former); the walk's row reads (the model's token after each
+accepted node: one logits row read each) in microseconds per row; and the host time per
+tree step as the engine's own stats measure it, for comparison.
 
 With `--replay`, every generation is recorded once and the timed runs are replays (each
 llama_decode call served from the recording, see srsd_local/engine/replay.py): the same code
-on caches no forward pass has flushed, as between a GPU's steps.
+on caches no forward pass has flushed, as between a GPU's steps. `--sample-in-graph` runs the
+engine with llama.cpp's in-graph greedy sampler (the configuration meant for GPUs: a greedy
+tree's rows come back as token ids, so the walk reads no logits rows).
 
 A dev tool for finding what to make cheaper; `srsd-local bench` measures the host time per
 step that the project's budget is about.
@@ -55,6 +59,8 @@ COMPONENTS = [
     ("srsd_local.llama.backend", "Backend.seq_commit", "KV: commit the path"),
     ("srsd_local.spec.speculator", "Speculator.observe", "learning verified nodes"),
     ("srsd_local.engine.emit", "Emitter.push", "emitting text"),
+    ("srsd_local.engine.engine", "Engine._constrain_draft", "grammar: drafts constrained"),
+    ("srsd_local.spec.sampling", "ConstrainedSampler.__call__", "grammar: constrained sampling"),
 ]
 
 
@@ -87,6 +93,7 @@ def main() -> None:
     ap.add_argument("--mode", default="srsd")
     ap.add_argument("--n-ctx", type=int, default=4096)
     ap.add_argument("--replay", action="store_true")
+    ap.add_argument("--sample-in-graph", action="store_true")
     args = ap.parse_args()
 
     totals: dict[str, float] = defaultdict(float)
@@ -102,7 +109,7 @@ def main() -> None:
         return path, y
     engine_mod.walk_tree = counting_walk
 
-    eng = Engine.load(n_ctx=args.n_ctx)
+    eng = Engine.load(n_ctx=args.n_ctx, sample_in_graph=args.sample_in_graph)
     prompts = [p for spec in args.workload.split(",")
                for p in first_per_category(load_workload(spec), args.per_category)]
     learned = copy.deepcopy(eng.speculator)
@@ -119,7 +126,8 @@ def main() -> None:
                 rec.serving = rep > 0
                 eng.backend.replay = rec
             try:
-                out = eng.generate(p.prompt, max_tokens=p.max_tokens, mode=args.mode)
+                out = eng.generate(p.prompt, max_tokens=p.max_tokens, mode=args.mode,
+                                   temperature=p.temperature, seed=p.seed, **p.constraint)
             finally:
                 eng.backend.replay = None
             if timed:
@@ -132,7 +140,8 @@ def main() -> None:
     eng.close()
     if not tree_steps:
         raise SystemExit("no step verified a tree: nothing to break down")
-    kind = "replayed" if args.replay else "real"
+    kind = ("replayed" if args.replay else "real") + (
+        ", in-graph sampling" if args.sample_in_graph else "")
     print(f"{len(prompts)} prompts x {args.repeat}, mode {args.mode}, {kind} runs: "
           f"{tree_steps} steps verified a tree, host time per such step "
           f"{1e3 * host_tree / tree_steps:.3f} ms (the engine's stats)\n")
