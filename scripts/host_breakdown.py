@@ -60,6 +60,10 @@ COMPONENTS = [
     ("srsd_local.spec.speculator", "Speculator.observe", "learning verified nodes"),
     ("srsd_local.engine.emit", "Emitter.push", "emitting text"),
     ("srsd_local.engine.engine", "Engine._constrain_draft", "grammar: drafts constrained"),
+    ("srsd_local.llama.grammar", "GrammarState.prune", "grammar: drafted nodes checked"),
+    ("srsd_local.llama.grammar", "Forcing.after", "grammar: forced text after a leaf"),
+    ("srsd_local.llama.grammar", "Forcing.next_text", "grammar: forced text after the root"),
+    ("srsd_local.engine.engine", "Engine._tokenize_text", "grammar: forced text tokenized"),
     ("srsd_local.spec.sampling", "ConstrainedSampler.__call__", "grammar: constrained sampling"),
 ]
 

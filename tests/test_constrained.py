@@ -319,3 +319,57 @@ def test_token_lead_bytes_are_read_back_from_the_cache_once_scanned(engine, monk
     monkeypatch.delattr(be, "_grammar_lead_bytes", raising=False)
     assert np.array_equal(grammar._lead_bytes(be)[0], lead)  # scanned and stored again
     assert np.load(target)["lead"].shape == (be.n_vocab, 2)
+
+
+def test_pruning_a_drafted_tree_checks_every_path_and_leaves_the_state_alone(engine):
+    """GrammarState.prune (drafted nodes checked along their paths; a node's state handed on
+    to its last admitted child instead of cloned) keeps exactly the nodes a fresh state
+    accepts token by token along each path, returns each kept leaf's state as that walk
+    leaves it, and does not advance the state it is called on."""
+    p = JSON_PROMPTS[0]
+    out = engine.generate(p.prompt, max_tokens=40, mode="ar", json_schema=p.json_schema)
+    toks = out.token_ids
+    state = engine.constraint(json_schema=p.json_schema)
+    state.accept(toks[0])  # the root: accepted already
+    # a chain along the output, a branch off it that the grammar rejects, a branch that
+    # diverges later, and a second chain under the root
+    bad = engine.tokenize("}}}", add_bos=False)[0]
+    tokens = [toks[0], *toks[1:9]]  # nodes 0..8: a chain
+    parents = [-1, *range(0, 8)]
+    tokens += [bad, bad]
+    parents += [2, 9]  # node 9 under node 2 (rejected), node 10 under it (rejected too)
+    tokens += [toks[6]]
+    parents += [4]  # node 11 under node 4: a token the chain has two steps later
+    tokens += [toks[1]]
+    parents += [0]  # node 12: a second child of the root (the chain's first token again)
+    tokens += [toks[3], toks[4]]
+    parents += [2, 13]  # nodes 13-14: node 3's token again under node 2, and the next one
+    vocab = np.arange(engine.backend.n_vocab, dtype=np.int32)
+    before = state.mask(vocab)
+    keep, leaves = state.prune(tokens, parents)
+    assert np.array_equal(state.mask(vocab), before)  # not advanced
+
+    def path(node):
+        out = []
+        while node > 0:
+            out.append(tokens[node])
+            node = parents[node]
+        return out[::-1]
+
+    has_child = {q for q in parents if q >= 0}
+    for node in range(1, len(tokens)):
+        walk = engine.constraint(json_schema=p.json_schema)
+        walk.accept(toks[0])
+        ok = True
+        for t in path(node):
+            if not walk.allows(t):
+                ok = False
+                break
+            walk.accept(t)
+        assert keep[node] == ok, node
+        if ok and node not in has_child:
+            assert np.array_equal(leaves[node].mask(vocab), walk.mask(vocab)), node
+        else:
+            assert node not in leaves
+    assert keep[1:9] == [True] * 8 and not keep[9] and not keep[10] and keep[12]
+    assert keep[13] and keep[14] and 14 in leaves  # two admitted siblings, each its own state

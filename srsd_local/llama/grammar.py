@@ -391,7 +391,9 @@ class GrammarState:
         """For a token tree given as (tokens, parents; node 0 the root, already accepted in
         this state; parents before children): which nodes the grammar admits along their
         path (a node under a rejected one is rejected), and the state after each admitted
-        leaf."""
+        leaf. (A drafted node's state, not needed once its children are checked, becomes its
+        last admitted child's: a chain clones one state, not one per node; this state itself
+        is never advanced.)"""
         n = len(tokens)
         keep = [False] * n
         keep[0] = True
@@ -405,12 +407,13 @@ class GrammarState:
             st = states.pop(node)
             kids = children[node]
             ok = st.mask(np.asarray([tokens[k] for k in kids], dtype=np.int32))
-            for k, good in zip(kids, ok):
-                if good:
-                    keep[k] = True
-                    child = st.clone()
-                    child.accept(tokens[k])
-                    states[k] = child
+            admitted = [k for k, good in zip(kids, ok) if good]
+            last = admitted[-1] if admitted and node != 0 else -1
+            for k in admitted:
+                keep[k] = True
+                child = st if k == last else st.clone()
+                child.accept(tokens[k])
+                states[k] = child
         leaves = {k: s for k, s in states.items() if k not in children and k != 0}
         return keep, leaves
 
