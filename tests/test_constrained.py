@@ -373,3 +373,35 @@ def test_pruning_a_drafted_tree_checks_every_path_and_leaves_the_state_alone(eng
             assert node not in leaves
     assert keep[1:9] == [True] * 8 and not keep[9] and not keep[10] and keep[12]
     assert keep[13] and keep[14] and 14 in leaves  # two admitted siblings, each its own state
+
+
+def test_states_of_one_grammar_mask_through_one_buffer_per_thread(engine):
+    """Masking goes through one candidate buffer per grammar and thread: each state's answer
+    is its own whatever the order and length of the asks (checked against masking the whole
+    vocabulary), an empty ask gets an empty answer, and another thread gets the same answers
+    through a buffer of its own."""
+    import threading
+
+    p = JSON_PROMPTS[0]
+    out = engine.generate(p.prompt, max_tokens=12, mode="ar", json_schema=p.json_schema)
+    states = list(_states_along(engine, out.token_ids, json_schema=p.json_schema))[:6]
+    vocab = np.arange(engine.backend.n_vocab, dtype=np.int32)
+    full = [s.mask(vocab) for s in states]
+    assert len({f.sum() for f in full}) > 1  # the positions admit different tokens
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        i = int(rng.integers(len(states)))
+        ids = rng.choice(vocab, size=int(rng.integers(1, 400))).astype(np.int32)
+        ids[0] = int(np.flatnonzero(full[i])[0])  # at least one admitted token in the ask
+        assert np.array_equal(states[i].mask(ids), full[i][ids])
+    assert states[0].mask(np.zeros(0, np.int32)).shape == (0,)
+    got: dict[int, np.ndarray] = {}
+
+    def other_thread():
+        for i in (3, 1):
+            got[i] = states[i].mask(vocab)
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    t.join()
+    assert np.array_equal(got[3], full[3]) and np.array_equal(got[1], full[1])

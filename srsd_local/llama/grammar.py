@@ -161,6 +161,7 @@ class Constraint:
             detail = " ".join(line.strip() for line in err.splitlines()
                               if "error" in line.lower()) or "llama.cpp could not parse it"
             raise GrammarError(f"invalid {spec.kind}: {detail}")
+        self.candidates = threading.local()  # per thread: a _Candidates (see mask)
         self._root = GrammarState(ptr, self)
         self.probe_ids, self.probe_chars = _probe_tokens(backend)
         # a quick first check: two of these admitted means free text, nothing forced
@@ -268,13 +269,36 @@ def _ascii_only(gbnf: str) -> bool:
     return gbnf.isascii() and _WIDE_ESCAPE.search(gbnf) is None
 
 
+class _Candidates:
+    """Token ids to mask, in a numpy buffer that a llama_token_data_array points at: made
+    once per grammar and thread, not per state and call (a drafted tree's check clones a
+    state per branch and masks each once). A mask's answer is copied out before the next."""
+
+    def __init__(self) -> None:
+        self.buf = np.zeros(0, dtype=_TOKEN_DATA)
+        self.arr: Any = None
+        self.ref: Any = None
+
+    def take(self, n: int) -> np.ndarray:
+        """The first n entries, the array struct sized to them."""
+        if self.arr is None or len(self.buf) < n:
+            L = _llama()
+            self.buf = np.zeros(max(n, 2 * len(self.buf), 64), dtype=_TOKEN_DATA)
+            self.arr = L.llama_token_data_array(
+                data=self.buf.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), size=0,
+                selected=-1, sorted=False)
+            self.ref = ctypes.byref(self.arr)
+        arr = self.arr
+        arr.size, arr.selected, arr.sorted = n, -1, False
+        return self.buf[:n]
+
+
 class GrammarState:
     """One position in a grammar (a llama.cpp grammar sampler of its own)."""
 
     def __init__(self, ptr: Any, owner: Constraint) -> None:
         self._ptr = ptr
         self.owner = owner
-        self._buf = np.zeros(0, dtype=_TOKEN_DATA)
 
     def __del__(self) -> None:
         ptr, self._ptr = getattr(self, "_ptr", None), None
@@ -289,17 +313,14 @@ class GrammarState:
 
     def mask(self, ids: np.ndarray) -> np.ndarray:
         """Which of the token ids the grammar admits next (bool array)."""
-        n = len(ids)
-        if len(self._buf) < n:
-            self._buf = np.zeros(max(n, 2 * len(self._buf)), dtype=_TOKEN_DATA)
-        buf = self._buf[:n]
+        local = self.owner.candidates
+        cand = getattr(local, "c", None)
+        if cand is None:
+            cand = local.c = _Candidates()
+        buf = cand.take(len(ids))
         buf["id"] = ids
         buf["logit"] = 0.0
-        L = _llama()
-        arr = L.llama_token_data_array(
-            data=buf.ctypes.data_as(ctypes.POINTER(L.llama_token_data)), size=n, selected=-1,
-            sorted=False)
-        L.llama_sampler_apply(self._ptr, ctypes.byref(arr))
+        _llama().llama_sampler_apply(self._ptr, cand.ref)
         return np.isfinite(buf["logit"])
 
     def _admitted_bytes(self) -> np.ndarray:
