@@ -351,7 +351,7 @@ class Backend:
             n_out = int(np.count_nonzero(flags[s:e]))
             raw = True
             if n_out and self.graph_seqs and ids is not None:
-                raw, got = self._sampled(e - s)
+                raw, got = self._sampled(e - s, ids)
                 sampled_parts.append(got)
             if n_out and raw:  # a view of llama.cpp's buffer: the next call overwrites it
                 view = self._logits(n_out)
@@ -374,25 +374,29 @@ class Backend:
                 sampled_parts[0]
         return DecodeOutput(logits=logits, hidden=hidden, sampled=sampled)
 
-    def _sampled(self, m: int) -> tuple[bool, np.ndarray]:
-        """After a llama_decode call of the batch's first m rows: (whether llama.cpp copied
-        the logits rows out, the in-graph sampled token of each output row or -1); a served
-        call's as recorded. llama.cpp copies the rows unless every output row's sequences
-        all have a sampler; a row's sampler is its first sequence's."""
+    def _sampled(self, m: int, seq_ids: Sequence[Sequence[int]]) -> tuple[bool, np.ndarray]:
+        """After a llama_decode call of the batch's first m rows (`seq_ids`: theirs): whether
+        llama.cpp copied the logits rows out, and the in-graph sampled token of each output
+        row or -1 (a recorded or served call's as its recording holds it). llama.cpp copies
+        the rows unless every output row's sequences all have a sampler; a row's sampler is
+        its first sequence's."""
         rep = self.replay
-        raw, got = (rep.sampled_rows() if rep is not None and rep.serving else
-                    self.graph_outputs(m))
+        raw, got = (rep.sampled_rows() if rep is not None else
+                    self.graph_outputs(m, seq_ids))
         self.graph_rows += int(np.count_nonzero(got >= 0))
         return raw, got
 
-    def graph_outputs(self, m: int) -> tuple[bool, np.ndarray]:
-        """`_sampled`'s answer read from llama.cpp for the batch's first m rows (untimed)."""
+    def graph_outputs(self, m: int, seq_ids: Sequence[Sequence[int]] | None = None
+                      ) -> tuple[bool, np.ndarray]:
+        """`_sampled`'s answer read from llama.cpp for the batch's first m rows (their
+        sequence ids read back from the batch when not given)."""
         graph, L, seqs, nseq = self.graph_seqs, self._L, self._p_seq, self._b_nseq
         out_rows = np.flatnonzero(self._b_logits[:m])
         raw = False
         got = np.full(len(out_rows), -1, dtype=np.int32)
         for k, i in enumerate(out_rows.tolist()):
-            ids = [seqs[i][j] for j in range(int(nseq[i]))]
+            ids = (seq_ids[i] if seq_ids is not None else
+                   [seqs[i][j] for j in range(int(nseq[i]))])
             if any(q not in graph for q in ids):
                 raw = True
             if ids[0] in graph:

@@ -23,7 +23,8 @@ class PassReplay:
         self.passes: dict[tuple, tuple[np.ndarray | None, np.ndarray | None, float,
                                        tuple[bool, np.ndarray] | None]] = {}
         self.logits: np.ndarray | None = None  # the rows of the call served last
-        self._sampled: tuple[bool, np.ndarray] | None = None  # ... and its in-graph tokens
+        # the in-graph tokens of the call recorded or served last
+        self._sampled: tuple[bool, np.ndarray] | None = None
         self._rows: np.ndarray | None = None  # where served rows are written (reused)
         self.hidden: np.ndarray | None = None
         self._seconds = 0.0  # recorded llama_decode seconds since the last take_seconds()
@@ -40,7 +41,7 @@ class PassReplay:
         n_out = int(np.count_nonzero(be._b_logits[:m]))
         # rows sampled in llama.cpp's graph: their tokens (and no logits, unless other rows
         # of the call needed them copied out)
-        sampled = be.graph_outputs(m) if n_out and be.graph_seqs else None
+        sampled = self._sampled = be.graph_outputs(m) if n_out and be.graph_seqs else None
         raw = sampled is None or sampled[0]
         logits = be._logits(n_out).copy() if n_out and raw else None
         hidden = be.capture.rows() if be.capture is not None else None
@@ -69,7 +70,8 @@ class PassReplay:
         self._seconds += seconds
 
     def sampled_rows(self) -> tuple[bool, np.ndarray]:
-        """The served call's in-graph sampling, as Backend._sampled reads it from llama.cpp."""
+        """The in-graph sampling of the call recorded or served last, as Backend._sampled
+        reads it from llama.cpp (read once while recording)."""
         if self._sampled is None:
             raise ReplayMismatch("the replay asked for in-graph sampled tokens of a pass "
                                  "recorded without them")
