@@ -36,11 +36,17 @@ tar -xzf "$work"/llama_cpp_python-"$version".tar.gz -C "$work"
 src="$work/llama_cpp_python-$version/vendor/llama.cpp"
 [[ -f "$src/CMakeLists.txt" ]] || { echo "no vendor/llama.cpp in the sdist" >&2; exit 1; }
 echo "building llama-server from $src (-j$jobs)"
+# No AMX kernels: this llama.cpp's crash on Q4_K_M models (llama.cpp issue 20824); the engine
+# leaves them out at run time (srsd_local/llama/cpubufs.py). x86 compilers only.
+noamx=()
+if echo 'int main(void){return 0;}' | "${CC:-cc}" -x c -mno-amx-int8 -o /dev/null - 2>/dev/null; then
+    noamx=(-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8)
+fi
 # shellcheck disable=SC2086
 cmake -S "$src" -B "$work/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
     -DLLAMA_BUILD_SERVER=ON -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF \
-    -DLLAMA_USE_PREBUILT_UI=OFF ${LLAMA_SERVER_CMAKE_ARGS:-} >/dev/null
+    -DLLAMA_USE_PREBUILT_UI=OFF "${noamx[@]}" ${LLAMA_SERVER_CMAKE_ARGS:-} >/dev/null
 cmake --build "$work/build" --config Release --target llama-server -j "$jobs"
 mkdir -p "$dest"
 cp "$work/build/bin/llama-server" "$dest/.llama-server.tmp"

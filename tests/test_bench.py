@@ -300,6 +300,10 @@ def test_server_command_mirrors_the_engine():
                                      " 3 --ctx-size 4096 --batch-size 512 --ubatch-size 256 "
                                      "--n-gpu-layers all --fit off --swa-full --parallel 1 "
                                      "--cache-ram 0 --no-webui --spec-default")
+    assert "--no-repack" not in cmd  # the engine repacks: so does the peer
+    norepack = server_command("x", "llama-server-spec",
+                              PeerSettings("m", 64, 1, 0, repack=False), 1)
+    assert norepack[-2:] == ["--no-repack", "--spec-default"]
     with pytest.raises(ValueError, match="accepted are"):
         server_command("x", "lcp-pld", s, 1)
 

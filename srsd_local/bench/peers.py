@@ -16,6 +16,7 @@ way the engine is timed (README.md, "Benchmarks"; results in docs/benchmarks.md)
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -24,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -85,15 +86,41 @@ class PeerSettings:
     n_batch: int = 512
     n_ubatch: int = 512
     parallel: int = 1  # slots (llama-server --parallel), each with n_ctx tokens
+    repack: bool = True  # weights in the CPU's repacked layouts, as the engine loads them
 
     @classmethod
     def of(cls, engine: Any) -> PeerSettings:
         cfg = engine.config
         return cls(engine.model_path, engine.n_ctx, cfg.threads, cfg.n_gpu_layers,
-                   cfg.n_batch, cfg.n_ubatch, getattr(engine, "parallel", 1))
+                   cfg.n_batch, cfg.n_ubatch, getattr(engine, "parallel", 1),
+                   getattr(getattr(engine, "backend", None), "extra_bufts", True))
 
 
 # -- lcp-pld ------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _model_params(repack: bool) -> Iterator[None]:
+    """While it lasts, llama-cpp-python's `Llama` loads models with repacked weights or not,
+    as the engine does (its constructor has no parameter for that: the default model
+    parameters it starts from are patched)."""
+    import llama_cpp.llama_cpp as lib  # noqa: PLC0415
+
+    if repack:
+        yield
+        return
+    default = lib.llama_model_default_params
+
+    def no_repack():
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    lib.llama_model_default_params = no_repack
+    try:
+        yield
+    finally:
+        lib.llama_model_default_params = default
+
+
 class LcpPeer:
     """llama-cpp-python's prompt lookup decoding on the same GGUF."""
 
@@ -101,10 +128,11 @@ class LcpPeer:
         from llama_cpp import Llama  # noqa: PLC0415
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding  # noqa: PLC0415
 
-        self.llm = Llama(model_path=s.model_path, n_ctx=s.n_ctx, n_threads=s.threads,
-                         n_threads_batch=s.threads, n_gpu_layers=s.n_gpu_layers,
-                         logits_all=True, verbose=False,
-                         draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10))
+        with _model_params(s.repack):
+            self.llm = Llama(model_path=s.model_path, n_ctx=s.n_ctx, n_threads=s.threads,
+                             n_threads_batch=s.threads, n_gpu_layers=s.n_gpu_layers,
+                             logits_all=True, verbose=False,
+                             draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10))
 
     def run(self, p: BenchPrompt) -> PeerResult:
         from llama_cpp import llama_cpp  # noqa: PLC0415
@@ -157,9 +185,9 @@ def missing_binary_message(binary: Path, modes: Sequence[str]) -> str:
 
 def server_command(binary: str | Path, mode: str, s: PeerSettings, port: int) -> list[str]:
     """The llama-server command line of one mode: the engine's model, threads, context, batch
-    sizes, GPU layers and full-size SWA cache; as many slots as the engine (each with the
-    engine's context); no RAM prompt cache (each prompt is processed from scratch, as
-    `cache_prompt: false` asks); no web UI."""
+    sizes, GPU layers, weight repacking and full-size SWA cache; as many slots as the engine
+    (each with the engine's context); no RAM prompt cache (each prompt is processed from
+    scratch, as `cache_prompt: false` asks); no web UI."""
     if mode not in SERVER_MODES:
         raise ValueError(f"unknown llama-server mode {mode!r}: accepted are "
                          + ", ".join(SERVER_MODES))
@@ -170,7 +198,7 @@ def server_command(binary: str | Path, mode: str, s: PeerSettings, port: int) ->
             "--ctx-size", str(s.n_ctx * s.parallel), "--batch-size", str(s.n_batch),
             "--ubatch-size", str(s.n_ubatch), "--n-gpu-layers", ngl, "--fit", "off",
             "--swa-full", "--parallel", str(s.parallel), "--cache-ram", "0", "--no-webui",
-            *SERVER_MODES[mode]]
+            *(() if s.repack else ("--no-repack",)), *SERVER_MODES[mode]]
 
 
 def display_command(cmd: Sequence[str]) -> str:

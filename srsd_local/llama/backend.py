@@ -18,6 +18,7 @@ import numpy as np
 
 from ..config import SRSDConfig, environment
 from .capture import CompiledCapture, HiddenCapture, make_capture, resolve_layer
+from .cpubufs import use_extra_buffer_types
 from .replay import PassReplay
 
 
@@ -131,6 +132,9 @@ class Backend:
         mparams = L.llama_model_default_params()
         mparams.n_gpu_layers = 10**6 if config.n_gpu_layers < 0 else config.n_gpu_layers
         mparams.progress_callback = _NO_PROGRESS(L)
+        # no repacked weights where llama.cpp's kernels for them crash (see cpubufs.py)
+        self.extra_bufts = use_extra_buffer_types(L._lib)
+        mparams.use_extra_bufts = self.extra_bufts
         # which device holds which layer ({device, description, where, layers}), when known
         self.placement: list[dict[str, str]] | None = None
         if config.rpc_servers:  # layers split across this machine and RPC workers
