@@ -20,6 +20,7 @@ from srsd_local.bench.peers import (
     LlamaServerPeer,
     PeerResult,
     PeerSettings,
+    _model_params,
     completion_request,
     display_command,
     parse_completion,
@@ -283,6 +284,23 @@ def test_completion_request_is_raw_uncached_and_returns_tokens():
     assert body["cache_prompt"] is False and body["return_tokens"] is True
     assert (body["temperature"], body["seed"], body["top_k"], body["top_p"]) == (0.8, 11, 0, 1.0)
     assert "seed" not in completion_request(BenchPrompt("i", "c", "x", 7))
+
+
+def test_llama_cpp_python_peer_loads_weights_as_the_engine_does():
+    """The lcp-pld peer's `Llama` starts from llama.cpp's default model parameters: without
+    repacking, those come with extra buffer types off while it loads, and as before after."""
+    import llama_cpp.llama_cpp as lib
+
+    default = lib.llama_model_default_params
+    assert default().use_extra_bufts
+    with _model_params(False):
+        assert not lib.llama_model_default_params().use_extra_bufts
+    assert lib.llama_model_default_params is default
+    with _model_params(True):
+        assert lib.llama_model_default_params is default
+    with pytest.raises(RuntimeError), _model_params(False):
+        raise RuntimeError("a load that fails")
+    assert lib.llama_model_default_params is default
 
 
 def test_server_command_mirrors_the_engine():
