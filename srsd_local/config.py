@@ -44,6 +44,8 @@ class Environment:
     - SRSD_CAPTURE: "python" forces the Python eval callback instead of the compiled one
     - SRSD_KERNELS: "python" samples and normalises index rows with numpy instead of the
       compiled kernels
+    - SRSD_EXTRA_BUFTS: 1/0 loads models with / without llama.cpp's repacked weight layouts
+      (default: with them, unless the CPU backend offers AMX's, which crash: cpubufs.py)
     - CC: the C compiler for the compiled callback and kernel (else cc, gcc or clang)
 
     and, to find and download models where other tools keep them (the standard variables of
@@ -64,6 +66,7 @@ class Environment:
     capture: str
     cc: str | None
     kernels: str = "c"
+    extra_bufts: str | None = None  # SRSD_EXTRA_BUFTS as given (cpubufs.py decides)
     hf_endpoint: str = "https://huggingface.co"
     hf_cache: Path = Path("~/.cache/huggingface/hub")
     hf_offline: bool = False
@@ -90,6 +93,7 @@ def environment() -> Environment:
                        else "c", cc=env.get("CC") or None,
                        kernels="python" if env.get("SRSD_KERNELS", "").lower() == "python"
                        else "c",
+                       extra_bufts=env.get("SRSD_EXTRA_BUFTS"),
                        hf_endpoint=(env.get("HF_ENDPOINT") or "https://huggingface.co"
                                     ).rstrip("/"),
                        hf_cache=_path(hub_cache) if hub_cache else hf_home / "hub",

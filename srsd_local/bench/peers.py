@@ -93,7 +93,7 @@ class PeerSettings:
         cfg = engine.config
         return cls(engine.model_path, engine.n_ctx, cfg.threads, cfg.n_gpu_layers,
                    cfg.n_batch, cfg.n_ubatch, getattr(engine, "parallel", 1),
-                   getattr(getattr(engine, "backend", None), "extra_bufts", True))
+                   getattr(engine, "repacked_weights", True))
 
 
 # -- lcp-pld ------------------------------------------------------------------------------------

@@ -263,7 +263,7 @@ def doc_section(summary: dict[str, Any], modes: Sequence[str], machine: dict[str
              f"- machine: {machine['cpu']}, {machine['cores']} cores, {machine['threads']} "
              f"threads; GPU offload: {machine['gpu_offload']} (n_gpu_layers "
              f"{machine['n_gpu_layers']}); index: {machine['index_backend']}"
-             + ("; weights not repacked (the CPU backend's AMX layout crashes)"
+             + ("; weights not repacked (llama.cpp's extra buffer types off)"
                 if machine.get("repacked_weights") is False else ""),
              f"- model: {machine['model']} ({machine['model_file']}); llama-cpp-python "
              f"{machine['llama_cpp_python']}",

@@ -163,7 +163,7 @@ def machine_info(engine: Any) -> dict[str, Any]:
         "gpu_offload": gpu_offload_supported(), "n_gpu_layers": engine.config.n_gpu_layers,
         "faiss_gpu": gpu_available(), "index_backend": engine.index_backend,
         "model": engine.model_name, "model_file": Path(engine.model_path).name,
-        "repacked_weights": getattr(getattr(engine, "backend", None), "extra_bufts", None),
+        "repacked_weights": getattr(engine, "repacked_weights", None),
     }
 
 

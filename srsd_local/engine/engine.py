@@ -208,6 +208,12 @@ class Engine:
         return getattr(self.backend, "placement", None)
 
     @property
+    def repacked_weights(self) -> bool:
+        """Whether the model's weights were loaded in llama.cpp's repacked CPU layouts (not
+        where the CPU backend's AMX layout would crash: see llama/cpubufs.py)."""
+        return getattr(self.backend, "extra_bufts", True)
+
+    @property
     def model_path(self) -> str:
         return self.backend.model_path
 

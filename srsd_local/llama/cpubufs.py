@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from functools import lru_cache
 from pathlib import Path
+
+from ..config import environment
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,7 @@ def keep_extra_buffer_types(names: list[str], override: str | None) -> bool:
 def use_extra_buffer_types(llama_lib: ctypes.CDLL) -> bool:
     """The decision for this process (logged once when extra buffer types are left out)."""
     names = extra_buffer_types(llama_lib)
-    keep = keep_extra_buffer_types(names, os.environ.get("SRSD_EXTRA_BUFTS"))
+    keep = keep_extra_buffer_types(names, environment().extra_bufts)
     if not keep:
         log.warning("llama.cpp's CPU backend offers %s weight layouts; its AMX kernels crash "
                     "on this llama.cpp (Q4_K_M models), so models load without repacked "
