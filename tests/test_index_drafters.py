@@ -87,29 +87,32 @@ def test_rows_added_one_at_a_time_are_stored_lazily_and_found_like_a_batch(backe
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_rows_handed_over_without_a_copy_are_indexed_like_copied_ones(backend):
-    # the decode loop hands each step's own float32 rows over (copy=False): kept as they
-    # are, at consecutive positions, found exactly as rows the index copied
-    x = _data(120) + 1.0
-    copied, owned = VectorIndex(32, 400, backend), VectorIndex(32, 400, backend)
-    copied.add(x[:40], 0)
-    owned.add(x[:40], 0)
-    mine = []
-    for start in range(40, 120, 8):  # single rows and short paths, as steps add them
-        rows = np.ascontiguousarray(x[start: start + 8], dtype=np.float32)
-        copied.add(rows.copy(), start)
-        owned.add(rows[:1].copy(), start, copy=False)
-        kept = rows[1:].copy()
-        owned.add(kept, start + 1, copy=False)
-        mine.append(kept)
-    assert len(owned) == len(copied) == 120
-    assert any(p is mine[-1] for p in owned._pending)  # kept, not copied
-    for q in (x[3], x[57], x[119], _data(1, seed=9)[0]):
-        a, b = owned.search(q, 5), copied.search(q, 5)
+def test_rows_added_step_by_step_are_indexed_like_rows_added_at_once(backend):
+    # the decode loop adds each step's few rows from an array it reuses: they are copied
+    # (overwriting the caller's array afterwards changes nothing), stored in a batch at the
+    # next search, and found exactly as a block added at once
+    x = _data(200) + 1.0
+    block, steps = VectorIndex(32, 400, backend), VectorIndex(32, 400, backend)
+    block.add(x[:40], 0)
+    steps.add(x[:40], 0)
+    block.add(x[40:200], 40)
+    reused = np.empty((8, 32), np.float32)
+    for start in range(40, 200, 8):  # single rows and short paths, as steps add them
+        reused[:] = x[start: start + 8]
+        steps.add(reused[:1], start)
+        steps.add(reused[1:], start + 1)
+        reused[:] = -7.0  # the caller's array reused
+        if start % 48 == 0:
+            steps.search(x[start], 3)  # stores what is waiting
+    assert len(steps) == len(block) == 200
+    for q in (x[3], x[57], x[119], x[199], _data(1, seed=9)[0]):
+        a, b = steps.search(q, 5), block.search(q, 5)
         assert a.positions.tolist() == b.positions.tolist()
         np.testing.assert_allclose(a.scores, b.scores, atol=1e-6)
     with pytest.raises(ValueError, match="full"):
-        VectorIndex(32, 2, backend).add(x[:3].astype(np.float32), 0, copy=False)
+        VectorIndex(32, 2, backend).add(x[:3].astype(np.float32), 0)
+    with pytest.raises(ValueError, match="rows of 32"):
+        steps.add(np.zeros((2, 31), np.float32), 200)
 
 
 def _compiled_normalise():
@@ -149,7 +152,7 @@ def test_compiled_and_numpy_normalisation_store_the_same_rows_and_find_the_same(
     for idx in (fast, ref):
         idx.add(x[:100], 0)  # a prompt: stored at once
         for i in range(100, 300, 3):  # steps: a few rows each, stored at the next search
-            idx.add(np.ascontiguousarray(x[i: i + 3]), i, copy=False)
+            idx.add(np.ascontiguousarray(x[i: i + 3]), i)
             if i % 30 == 1:
                 idx.search(x[i], 4)
     assert fast._kernel is not None

@@ -78,7 +78,7 @@ def test_the_index_finds_the_same_hits_compiled_and_in_numpy_on_real_hidden_rows
     for idx in (fast, ref):
         idx.add(rows[:20], 0)
         for i in range(20, len(rows)):
-            idx.add(rows[i: i + 1].copy(), i, copy=False)
+            idx.add(rows[i: i + 1], i)
     for q in (5, len(rows) // 2, len(rows) - 1):
         h, r = fast.search(rows[q], 5), ref.search(rows[q], 5)
         assert h.positions.tolist() == r.positions.tolist() and h.positions[0] == q

@@ -188,3 +188,37 @@ def test_a_copy_from_a_token_boundary_outside_a_word_is_drafted_in_the_sources_t
     # `call(` repeats; what followed it began with the source's token `bar`: its tokens, up
     # to the context's end, without a tokenizer call
     assert drafts[0] == [300, 301, ord(")"), ord("\n"), ord("c"), ord("a")]
+
+
+def test_a_copy_from_inside_a_word_tokenizes_only_the_words_rest_then_the_sources_tokens():
+    # the source spells ` shorten(text)` as ` short|en|(|text|)`; the output wrote ` sho`
+    # (its own split) and goes on copying: the draft is the word's rest tokenized afresh
+    # (`rt|en` here, the tokenizer's split of it), then the source's own tokens from the
+    # word start after it; one short tokenizer call, remembered for the next time
+    pieces = {300: b" short", 301: b"en", 302: b"text", 310: b"rt", 311: b"sho"}
+    vocab = {b"rten": [310, 301]}
+    calls = []
+
+    def piece(t: int) -> bytes:
+        return pieces.get(t, bytes([t]) if t < 256 else b"")
+
+    def tokenize(b: bytes) -> list[int]:
+        calls.append(b)
+        return vocab.get(b, list(b))
+
+    ctx = list(b"def") + [300, 301, ord("("), 302, ord(")"), ord(":"), ord("\n")] + \
+        list(b"x = ")
+    text, ends = b"", []
+    for t in ctx:
+        text += piece(t)
+        ends.append(len(text))
+    inp = DraftInput(np.asarray(ctx, dtype=np.int32), 311, None, None,
+                     text=text + piece(311), tokenize=tokenize, piece=piece, ends=ends)
+    drafter = TextLookupDrafter(SRSDConfig(draft_depth=5))
+    drafts = [p[0].tolist() for p in drafter.propose(inp)]
+    assert drafts[0] == [310, 301, ord("("), 302, ord(")")]
+    # (and, as a branch, the source's own split from inside its token: `rt`, then `en`)
+    assert [ord("r"), ord("t"), 301, ord("("), 302] in drafts
+    assert calls == [b"rten", b"rt"]
+    assert [p[0].tolist() for p in drafter.propose(inp)] == drafts
+    assert calls == [b"rten", b"rt"]  # both remembered

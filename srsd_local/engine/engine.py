@@ -799,7 +799,7 @@ class Engine:
                 # a path through the tree's first nodes, as a chain's always is: a view)
                 k = len(path)
                 rows = w.hidden[:k] if path[-1] == k - 1 else w.hidden[path]
-                slot.index.add(rows, n, copy=False)
+                slot.index.add(rows, n)
                 slot.last_hidden = rows[-1]
             self.speculator.observe(req, plan, path)
             td = time.perf_counter()

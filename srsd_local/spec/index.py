@@ -80,10 +80,11 @@ class VectorIndex:
         self.center: np.ndarray | None = None
         self._pos = np.zeros(min(capacity, 1024), dtype=np.int64)
         self._n = 0
-        # rows added but not stored yet (raw float32, with the centre they were added under):
-        # one row per decode step is stored in a batch when a search needs them, not one
-        # faiss call per step
-        self._pending: list[np.ndarray] = []
+        # rows added but not stored yet (raw float32, copied here one after the other): one
+        # row per decode step is stored in a batch when a search needs them, not one faiss
+        # call per step, and normalised in one call, not one per row
+        self._stage = np.empty((MAX_PENDING, dim), dtype=np.float32)
+        self._staged = 0
         self._stored = 0
         self._buf: np.ndarray | None = None
         self._faiss_index = None
@@ -153,15 +154,16 @@ class VectorIndex:
     def _flush(self, query: np.ndarray | None = None) -> np.ndarray | None:
         """Store the pending rows; with a `query` (a raw row), normalise it along with them
         (one pass for both) and return it normalised ([1, dim])."""
-        if not self._pending and query is None:
+        staged = self._stage[: self._staged]
+        if not self._staged and query is None:
             return None
-        x = self._normalise_parts(self._pending if query is None else [*self._pending, query])
+        x = self._normalise_parts([staged] if query is None else [staged, query])
         q = None
         if query is not None:
             x, q = x[:-1], x[-1:]
         if not len(x):
             return q
-        self._pending = []
+        self._staged = 0
         self._store(x)
         return q
 
@@ -189,17 +191,18 @@ class VectorIndex:
             self._buf = buf
 
     # -- API --------------------------------------------------------------------------------
-    def add(self, rows: np.ndarray, positions: np.ndarray | list[int] | int,
-            copy: bool = True) -> None:
+    def add(self, rows: np.ndarray, positions: np.ndarray | list[int] | int) -> None:
         """Index new rows (only the new ones) for the given context positions (an int:
-        consecutive positions from there). They are stored when a search needs them.
-        `copy=False`: `rows` is a float32 [k, dim] array the caller hands over (never
-        written afterwards), kept pending as it is: the decode loop's call on every step,
-        in as few numpy calls as it takes."""
-        if copy or rows.dtype != np.float32 or rows.ndim != 2:
-            x = np.array(rows, dtype=np.float32).reshape(-1, self.dim)  # kept pending
-        else:
-            x = rows
+        consecutive positions from there). A decode step's few rows are copied to the
+        rows waiting to be stored (the caller may reuse its array), and stored when a
+        search needs them; a block of more (a prompt's chunk) is stored at once. The
+        decode loop calls this on every step: as few numpy calls as it takes."""
+        x = np.asarray(rows)
+        if x.ndim != 2:
+            x = x.reshape(-1, self.dim) if x.size % self.dim == 0 else x.reshape(1, -1)
+        if x.shape[1] != self.dim:
+            raise ValueError(f"index.add got rows of {x.shape[1]} values: accepted are rows "
+                             f"of {self.dim}")
         k = len(x)
         if isinstance(positions, (int, np.integer)):
             start = int(positions)
@@ -221,10 +224,14 @@ class VectorIndex:
             self._pos[self._n] = start
         else:
             self._pos[self._n: self._n + k] = range(start, start + k)
-        self._pending.append(x)
         self._n += k
-        if self._n - self._stored >= MAX_PENDING:
+        if self._staged + k > MAX_PENDING:
             self._flush()
+        if k >= MAX_PENDING:
+            self._store(self._normalise_parts([np.ascontiguousarray(x, dtype=np.float32)]))
+        else:
+            self._stage[self._staged: self._staged + k] = x
+            self._staged += k
 
     def search(self, query: np.ndarray, k: int) -> Hits:
         """The k most similar indexed positions to `query` (a raw hidden row), best first."""
