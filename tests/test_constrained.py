@@ -85,6 +85,25 @@ def test_a_forced_literal_is_drafted_and_accepted(seeded):
     assert rep.ok, rep.summary()
 
 
+def test_grammar_forced_text_is_tokenized_once_per_distinct_text(seeded, monkeypatch):
+    # forced text recurs (a schema's keys in every object; here the same literal twice):
+    # each distinct text goes through the tokenizer once, and its tokens are the tokenizer's
+    engine = seeded
+    engine._forced_memo.clear()
+    calls: list = []
+    asked: list = []
+    tokenize, forced = engine._tokenize_text, engine._forced_tokens
+    monkeypatch.setattr(engine, "_tokenize_text", lambda t: calls.append(t) or tokenize(t))
+    monkeypatch.setattr(engine, "_forced_tokens", lambda t: asked.append(t) or forced(t))
+    outs = [engine.generate("Question: is water wet?\n", max_tokens=40, mode="srsd",
+                            grammar=GBNF) for _ in range(2)]
+    assert outs[0].text.startswith(LITERAL) and outs[1].text.startswith(LITERAL)
+    assert engine._forced_memo and len(asked) > len(set(asked))
+    for text, toks in engine._forced_memo.items():
+        assert calls.count(text) == 1
+        assert list(toks) == tokenize(text)
+
+
 def _accepted_runs(engine, monkeypatch, bit: int) -> list[int]:
     """Per verified tree, how many accepted nodes the source with origin `bit` proposed
     (filled as the engine generates), under a cost model where verification is nearly free,
