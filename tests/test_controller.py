@@ -645,3 +645,27 @@ def test_a_chain_is_planned_as_the_general_tree_path_would():
                 best_k, best_rate = k, rate
         assert plan.tree.tokens == tree.tokens[:best_k + 1]
         assert plan.probs == pytest.approx(p_all[:best_k + 1], rel=1e-12)
+
+
+def test_q_all_equals_each_nodes_own_lookup_over_every_kind_of_key():
+    # q_all computes each coarse key's part once for the whole tree: the numbers must be
+    # q_both's, node by node, bit for bit, for every prior (grammar, analogy, list, copy,
+    # plain sources), counted and uncounted keys alike
+    import random
+
+    from srsd_local.spec.acceptance import AcceptanceModel, NodeEvidence
+
+    rng = random.Random(3)
+    kinds = ["", "ngram", "srsd+text", "grammar", "analogy+text", "list", "copy"]
+    nodes = [None] + [NodeEvidence(rng.randrange(1, 16), rng.random(), rng.random(),
+                                   rng.randrange(1, 9), rng.randrange(0, 8), rng.random(),
+                                   rng.choice(kinds)) for _ in range(300)]
+    model = AcceptanceModel()
+    for ev in nodes[1:150]:  # half the keys counted, some many times
+        for _ in range(rng.randrange(1, 30)):
+            model.update(ev, "srsd", True, rng.random() < 0.6)
+    for greedy in (True, False):  # (counted as greedy: the sampled keys are all priors)
+        means, explores = model.q_all(nodes, "srsd", greedy)
+        assert (means, explores) == ([model.q_both(ev, "srsd", greedy)[0] for ev in nodes[1:]],
+                                     [model.q_both(ev, "srsd", greedy)[1] for ev in nodes[1:]])
+        assert len(set(means)) > (20 if greedy else 3)  # not one number throughout

@@ -74,15 +74,17 @@ class AcceptanceModel:
     def _post(self, ev: NodeEvidence, source: str, greedy: bool) -> tuple[float, float]:
         return self._post_keys(*ev.keys(source, greedy))
 
-    def _post_keys(self, coarse: tuple, fine: tuple) -> tuple[float, float]:
-        """(posterior mean, outcomes counted under the coarse key) of a node's keys."""
-        a, n_coarse = self.counts.get(coarse, (0, 0))
-        kind = coarse[0]  # the node's sources
-        prior = self.forced_prior if "grammar" in kind else \
+    def _prior_of(self, kind: str) -> float:
+        """The prior of a node whose sources are `kind`."""
+        return self.forced_prior if "grammar" in kind else \
             self.analogy_prior if "analogy" in kind else \
             self.list_prior if "list" in kind else \
             self.copy_prior if kind == "copy" else self.prior
-        qc = (a + self.strength * prior) / (n_coarse + self.strength)
+
+    def _post_keys(self, coarse: tuple, fine: tuple) -> tuple[float, float]:
+        """(posterior mean, outcomes counted under the coarse key) of a node's keys."""
+        a, n_coarse = self.counts.get(coarse, (0, 0))
+        qc = (a + self.strength * self._prior_of(coarse[0])) / (n_coarse + self.strength)
         a, n = self.counts.get(fine, (0, 0))
         return (a + self.strength * qc) / (n + self.strength), n_coarse
 
@@ -107,13 +109,26 @@ class AcceptanceModel:
               ) -> tuple[list[float], list[float]]:
         """(q, q_explore) of every node but the root (`evs[0]`), each distinct key looked
         up once (the nodes of a tree share most of theirs: a chain's deep nodes all do)."""
+        # (the arithmetic of _post_keys and _both inlined, the coarse key's part computed
+        # once per coarse key: this runs on every plan)
         memo: dict[tuple, tuple[float, float]] = {}
-        means, explores = [], []
+        per_coarse: dict[tuple, tuple[float, float]] = {}
+        get, strength, bonus = self.counts.get, self.strength, self.bonus
+        means: list[float] = []
+        explores: list[float] = []
         for ev in evs[1:]:
-            coarse, fine = ev.keys(source, greedy)
+            coarse, fine = ev.keys(source, greedy)  # type: ignore[union-attr]
             got = memo.get(fine)
             if got is None:
-                got = memo[fine] = self._both(*self._post_keys(coarse, fine))
+                c = per_coarse.get(coarse)
+                if c is None:
+                    a, n = get(coarse, (0, 0))
+                    c = per_coarse[coarse] = (
+                        (a + strength * self._prior_of(coarse[0])) / (n + strength),
+                        bonus / (1.0 + n) ** 0.5)
+                a, n = get(fine, (0, 0))
+                mean = (a + strength * c[0]) / (n + strength)
+                got = memo[fine] = (mean, min(1.0, mean + c[1]))
             means.append(got[0])
             explores.append(got[1])
         return means, explores
