@@ -222,3 +222,39 @@ def test_a_copy_from_inside_a_word_tokenizes_only_the_words_rest_then_the_source
     assert calls == [b"rten", b"rt"]
     assert [p[0].tolist() for p in drafter.propose(inp)] == drafts
     assert calls == [b"rten", b"rt"]  # both remembered
+
+
+def test_pieces_the_context_holds_between_token_boundaries_take_its_tokens():
+    from srsd_local.spec.textlookup import context_tokens
+
+    pieces = {300: b" alpha", 301: b" beta", 302: b"al", 303: b"pha"}
+    ctx = [300, 301, ord(";"), 302, 303, ord(" "), ord("x"), 301]
+    text, ends = b"", []
+    for t in ctx:
+        text += pieces.get(t, bytes([t]) if t < 256 else b"")
+        ends.append(len(text))
+    inp = DraftInput(np.asarray(ctx, dtype=np.int32), 0, None, None, text=text, ends=ends,
+                     tokenize=list)
+    assert context_tokens(inp, b" beta") == [301]  # the most recent occurrence
+    assert context_tokens(inp, b" alpha beta") == [300, 301]  # from the first byte on
+    assert context_tokens(inp, b"alpha") == [302, 303]  # the one between boundaries
+    assert context_tokens(inp, b"lph") is None  # inside tokens only
+    assert context_tokens(inp, b" x") == [ord(" "), ord("x")]
+    assert context_tokens(inp, b"gamma") is None
+    # the drafter asks the tokenizer only for what the context cannot give
+    calls = []
+
+    def tokenize(b: bytes) -> list[int]:
+        calls.append(b)
+        return list(b)
+
+    fctx = [ord(c) for c in "one  two"] + [301]
+    ftext, fends = b"", []
+    for t in fctx:
+        ftext += pieces.get(t, bytes([t]) if t < 256 else b"")
+        fends.append(len(ftext))
+    drafter = TextLookupDrafter(SRSDConfig(draft_depth=4))
+    got = drafter._tokenizer(DraftInput(np.asarray(fctx, dtype=np.int32), 0, None, None,
+                                        text=ftext, ends=fends, tokenize=tokenize))
+    assert list(got(b" beta")) == [301] and calls == []
+    assert list(got(b" gamma")) == list(b" gamma") and calls == [b" gamma"]

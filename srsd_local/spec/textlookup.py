@@ -143,6 +143,26 @@ def tokenize_words(text: bytes, tokenize: Callable[[bytes], Sequence[int]],
     return out
 
 
+def context_tokens(inp: DraftInput, part: bytes, tries: int = 2) -> list[int] | None:
+    """The context's tokens of `part` where one of its `tries` most recent occurrences in
+    the context's text begins and ends at token boundaries, else None. (Drafts only: the
+    tokenizer gives the same tokens for such a span, or the context spells it as the model
+    wrote it, which is how the model copies it.)"""
+    text, ends = inp.text, inp.ends
+    size = len(part)
+    if not len(ends) or not size:
+        return None
+    at = text.rfind(part, 0, ends[-1])
+    while at >= 0 and tries > 0:
+        tries -= 1
+        first = bisect_right(ends, at)  # the token that holds byte `at`
+        last = bisect_left(ends, at + size)  # ... and the one that holds the last byte
+        if (ends[first - 1] if first else 0) == at and ends[last] == at + size:
+            return inp.tokens[first: last + 1].tolist()
+        at = text.rfind(part, 0, at + size - 1)
+    return None
+
+
 def source_tokens(inp: DraftInput, lo: int, end: int, memo: dict | None = None
                   ) -> list[int] | None:
     """The tokens of the context's text[lo:end] as the context has them (a piece the span
@@ -238,7 +258,7 @@ class TextLookupDrafter(Drafter):
         toks = self._head_then_source(inp, start, span) if cache is self._cache else None
         if toks is None:
             toks = cache.tokens(start, cont, start + span >= len(text), depth // 2,
-                                inp.tokenize, inp.piece)
+                                self._tokenizer(inp), inp.piece)
         if toks:
             out.append((np.asarray(toks[:depth], dtype=np.int32), weight, agree))
         if cache is self._cache and toks and len(ends):  # the source's own tokens,
@@ -247,6 +267,19 @@ class TextLookupDrafter(Drafter):
             if spelt and spelt[:SPELL] != toks[:SPELL]:
                 out.append((np.asarray(spelt[:-1][:depth], dtype=np.int32), weight, agree))
 
+
+    @staticmethod
+    def _tokenizer(inp: DraftInput) -> Callable[[bytes], Sequence[int]]:
+        """Tokens of a piece of text: the context's own where it holds the piece between
+        two token boundaries (a text search instead of a tokenizer call), else afresh."""
+        fresh = inp.tokenize
+        assert fresh is not None
+
+        def tokenize(part: bytes) -> Sequence[int]:
+            got = context_tokens(inp, part)
+            return fresh(part) if got is None else got
+
+        return tokenize
 
     def _head_then_source(self, inp: DraftInput, start: int, span: int) -> list[int] | None:
         """The tokens of the context's text from `start` (inside a source token, or inside
@@ -267,7 +300,7 @@ class TextLookupDrafter(Drafter):
                 break
         else:
             return None
-        got = memo_tokens(bytes(text[start:b]), inp.tokenize, self._memo)  # type: ignore
+        got = memo_tokens(bytes(text[start:b]), self._tokenizer(inp), self._memo)
         end = ends[bisect_right(ends, limit) - 1]  # the last source token that fits
         tail = source_tokens(inp, b, end, self._memo) if end > b else None
         return [*got, *tail] if got and tail else None
