@@ -258,3 +258,7 @@ def test_pieces_the_context_holds_between_token_boundaries_take_its_tokens():
                                         text=ftext, ends=fends, tokenize=tokenize))
     assert list(got(b" beta")) == [301] and calls == []
     assert list(got(b" gamma")) == list(b" gamma") and calls == [b" gamma"]
+    # a piece that does not begin a word is tokenized afresh, though the context holds it
+    assert context_tokens(DraftInput(np.asarray(fctx, dtype=np.int32), 0, None, None,
+                                     text=ftext, ends=fends), b"two") == list(b"two")
+    assert list(got(b"two")) == list(b"two") and calls == [b" gamma", b"two"]

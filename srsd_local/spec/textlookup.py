@@ -270,13 +270,16 @@ class TextLookupDrafter(Drafter):
 
     @staticmethod
     def _tokenizer(inp: DraftInput) -> Callable[[bytes], Sequence[int]]:
-        """Tokens of a piece of text: the context's own where it holds the piece between
-        two token boundaries (a text search instead of a tokenizer call), else afresh."""
+        """Tokens of a piece of text: for a word (a piece that begins with a space), the
+        context's own where it holds the word between two token boundaries (a text search
+        instead of a tokenizer call); else afresh. (A piece that begins inside a word is
+        tokenized afresh: there the tokenizer's spelling may differ from the source's, and
+        both are drafted.)"""
         fresh = inp.tokenize
         assert fresh is not None
 
         def tokenize(part: bytes) -> Sequence[int]:
-            got = context_tokens(inp, part)
+            got = context_tokens(inp, part) if part[:1] == b" " else None
             return fresh(part) if got is None else got
 
         return tokenize
