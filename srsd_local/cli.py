@@ -25,10 +25,14 @@ def _add_model_args(p: argparse.ArgumentParser, calibrate_flag: bool = True) -> 
                    help="layers to offload to the GPU (-1: all; needs a CUDA build)")
     p.add_argument("--n-ctx", type=int, default=None, help="context size in tokens")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("--sample-in-graph", action="store_true",
-                   help="verify greedy trees with llama.cpp's in-graph greedy sampler (only "
-                        "token ids leave the device, not every row's logits); for GPUs: on a "
-                        "2-core CPU it measured slower")
+    graph = p.add_mutually_exclusive_group()
+    graph.add_argument("--sample-in-graph", dest="sample_in_graph", action="store_true",
+                       default=None,
+                       help="verify greedy trees with an in-graph greedy sampler (only token "
+                            "ids leave llama.cpp's graph, not every row's logits); default: "
+                            "on with GPU layers, off on a CPU")
+    graph.add_argument("--no-sample-in-graph", dest="sample_in_graph", action="store_false",
+                       help="copy every tree row's logits out, also with GPU layers")
     _add_rpc_args(p)
 
 
@@ -95,8 +99,8 @@ def _engine_config(args: argparse.Namespace) -> dict:
         cfg["n_ctx"] = args.n_ctx
     if args.threads is not None:
         cfg["n_threads"] = args.threads
-    if getattr(args, "sample_in_graph", False):
-        cfg["sample_in_graph"] = True
+    if getattr(args, "sample_in_graph", None) is not None:
+        cfg["sample_in_graph"] = args.sample_in_graph
     if getattr(args, "rpc", None):
         cfg["rpc_servers"] = args.rpc
     if getattr(args, "tensor_split", None):

@@ -44,6 +44,8 @@ class Environment:
     - SRSD_CAPTURE: "python" forces the Python eval callback instead of the compiled one
     - SRSD_KERNELS: "python" samples and normalises index rows with numpy instead of the
       compiled kernels
+    - SRSD_GRAPH_SAMPLER: "llama" takes in-graph argmaxes (sample_in_graph) with llama.cpp's
+      greedy sampler instead of the compiled ones (llama/graph_argmax.py)
     - SRSD_EXTRA_BUFTS: 1/0 loads models with / without llama.cpp's repacked weight layouts
       (default: with them, unless the CPU backend offers AMX's, which crash: cpubufs.py)
     - CC: the C compiler for the compiled callback and kernel (else cc, gcc or clang)
@@ -66,6 +68,7 @@ class Environment:
     capture: str
     cc: str | None
     kernels: str = "c"
+    graph_sampler: str = "srsd"
     extra_bufts: str | None = None  # SRSD_EXTRA_BUFTS as given (cpubufs.py decides)
     hf_endpoint: str = "https://huggingface.co"
     hf_cache: Path = Path("~/.cache/huggingface/hub")
@@ -93,6 +96,8 @@ def environment() -> Environment:
                        else "c", cc=env.get("CC") or None,
                        kernels="python" if env.get("SRSD_KERNELS", "").lower() == "python"
                        else "c",
+                       graph_sampler="llama" if env.get("SRSD_GRAPH_SAMPLER", "").lower()
+                       == "llama" else "srsd",
                        extra_bufts=env.get("SRSD_EXTRA_BUFTS"),
                        hf_endpoint=(env.get("HF_ENDPOINT") or "https://huggingface.co"
                                     ).rstrip("/"),
@@ -172,11 +177,13 @@ class SRSDConfig:
     max_nodes: int = 32
     max_branches: int = 8
     adaptive: bool = True
-    # greedy trees verified with llama.cpp's own greedy sampler: the argmax of each tree row
-    # is taken inside its graph and only token ids come back, instead of every row's logits
-    # being copied out for a numpy argmax (measured slower on a 2-core CPU: see
-    # scripts/logits_cost.py; meant for GPUs, where each logits row is a 1 MB copy)
-    sample_in_graph: bool = False
+    # greedy trees verified with an in-graph greedy sampler (llama/graph_argmax.py): the
+    # argmax of each tree row is taken inside llama.cpp's graph and only token ids come
+    # back, instead of every row's logits being copied out for a numpy argmax. None (auto):
+    # on where GPU layers are asked for (n_gpu_layers != 0; each logits row would be a 1 MB
+    # copy off the device) and the sequence ids allow it, off on a CPU (no faster there:
+    # docs/benchmarks.md)
+    sample_in_graph: bool | None = None
     # n-gram drafter (in srsd/hybrid trees, and as mode "pld")
     ngram_max: int = 4
     ngram_min: int = 1
@@ -225,8 +232,8 @@ class SRSDConfig:
         _int("max_nodes", self.max_nodes, 1, 255)
         _int("max_branches", self.max_branches, 1, 255)
         _check(isinstance(self.adaptive, bool), "adaptive", self.adaptive, "True or False")
-        _check(isinstance(self.sample_in_graph, bool), "sample_in_graph", self.sample_in_graph,
-               "True or False")
+        _check(self.sample_in_graph is None or isinstance(self.sample_in_graph, bool),
+               "sample_in_graph", self.sample_in_graph, "True, False or None (auto)")
         _int("ngram_max", self.ngram_max, 1, 64)
         _int("ngram_min", self.ngram_min, 1, self.ngram_max)
         _int("ngram_matches", self.ngram_matches, 1, 64)
@@ -238,7 +245,7 @@ class SRSDConfig:
         _check(self.max_nodes + 1 <= self.n_ubatch, "max_nodes", self.max_nodes,
                f"a value < n_ubatch ({self.n_ubatch}): a tree is verified in one ubatch")
         need = self._ids_needed
-        per = "(2 * max_branches + 1)" if self.sample_in_graph else "(max_branches + 1)"
+        per = "(2 * max_branches + 1)" if self.graph_sampling else "(max_branches + 1)"
         if self.n_seq_max:
             _check(need <= self.n_seq_max, "max_branches", self.max_branches,
                    f"a value with parallel * {per} <= n_seq_max "
@@ -258,10 +265,22 @@ class SRSDConfig:
         return self.n_seq_max or self._ids_needed
 
     @property
+    def graph_sampling(self) -> bool:
+        """Whether greedy trees are to be sampled in llama.cpp's graph: `sample_in_graph`,
+        or for None, with GPU layers asked for and sequence ids to spare (the backend still
+        leaves it off where the logits turn out to be computed on the CPU)."""
+        if self.sample_in_graph is not None:
+            return self.sample_in_graph
+        if self.n_gpu_layers == 0:
+            return False
+        need = self.graph_branch_base(self.slots)
+        return need <= 256 and (not self.n_seq_max or need <= self.n_seq_max)
+
+    @property
     def _ids_needed(self) -> int:
         """Sequence ids the slots use: per slot its main id and max_branches branch ids, and
-        with sample_in_graph a second block of max_branches sampled branch ids."""
-        return self.graph_branch_base(self.slots if self.sample_in_graph else 0)
+        with graph sampling a second block of max_branches sampled branch ids."""
+        return self.graph_branch_base(self.slots if self.graph_sampling else 0)
 
     def graph_branch_base(self, slot: int) -> int:
         """With sample_in_graph: the first of slot `slot`'s sampled branch sequence ids (after

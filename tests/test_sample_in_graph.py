@@ -36,6 +36,11 @@ def test_config_reserves_a_block_of_sampled_branch_ids_per_slot():
         SRSDConfig(parallel=4, max_branches=40, sample_in_graph=True)
     with pytest.raises(ValueError, match="sample_in_graph"):
         SRSDConfig(sample_in_graph="yes")
+    # auto: on with GPU layers where the ids allow it, else off (never an error)
+    assert SRSDConfig(n_gpu_layers=-1, parallel=2, max_branches=4).seq_max == 18
+    assert not SRSDConfig(n_gpu_layers=-1, parallel=4, max_branches=40).graph_sampling
+    assert SRSDConfig(n_gpu_layers=-1, parallel=4, max_branches=40).seq_max == 4 * 41
+    assert not SRSDConfig(parallel=2, max_branches=4).graph_sampling
 
 
 def test_greedy_trees_sampled_in_graph_equal_plain_decoding(graph_engine):
@@ -91,9 +96,14 @@ def test_cli_flag_reaches_the_engine_config():
     for cmd in (["generate", "--prompt", "x"], ["serve"], ["ui"], ["bench"],
                 ["verify", "--prompt", "x"]):
         on = _engine_config(build_parser().parse_args([*cmd, "--sample-in-graph"]))
-        off = _engine_config(build_parser().parse_args(cmd))
+        off = _engine_config(build_parser().parse_args([*cmd, "--no-sample-in-graph"]))
+        auto = _engine_config(build_parser().parse_args(cmd))
         assert SRSDConfig(**on).sample_in_graph is True, cmd
         assert SRSDConfig(**off).sample_in_graph is False, cmd
+        assert SRSDConfig(**auto).sample_in_graph is None, cmd
+        gpu = _engine_config(build_parser().parse_args([*cmd, "--n-gpu-layers", "-1"]))
+        assert SRSDConfig(**gpu).graph_sampling, cmd
+        assert not SRSDConfig(**auto).graph_sampling, cmd
 
 
 def test_trees_sampled_in_graph_replay_from_their_recording(graph_engine, monkeypatch):
@@ -140,3 +150,43 @@ def test_trees_sampled_in_graph_replay_from_their_recording(graph_engine, monkey
     rep._sampled = None
     with pytest.raises(ReplayMismatch, match="in-graph sampled tokens"):
         rep.sampled_rows()
+
+
+@pytest.mark.parametrize("kind", ["srsd-threads", "srsd-ggml", "llama"])
+def test_in_graph_tokens_are_numpys_argmax_and_only_llamas_sampler_copies_rows(
+        model_path, monkeypatch, kind):
+    """The same batch decoded on a sampled sequence (tokens from the graph) and on an ordinary
+    one (logits rows): every row's token is the rows' argmax, whichever sampler took it. The
+    compiled samplers give nothing back but the token; llama.cpp's greedy sampler also has
+    each row copied out as its sampled logits (what the compiled ones exist to spare)."""
+    import numpy as np
+
+    from srsd_local.llama import graph_argmax
+    from srsd_local.llama.backend import Backend
+
+    if kind == "llama":
+        monkeypatch.setenv("SRSD_GRAPH_SAMPLER", "llama")
+    if kind == "srsd-ggml":  # the flavour meant for a GPU, run by ggml's CPU backend here
+        monkeypatch.setattr(Backend, "_output_on_cpu", lambda self: False)
+    cfg = SRSDConfig(n_ctx=1024, sample_in_graph=True, max_branches=2, max_nodes=16)
+    be = Backend(model_path, cfg)
+    try:
+        assert be.graph_sampler == kind
+        L, g = be._L, min(be.graph_seqs)
+        toks = be.tokenize(EDIT.prompt)[:17]  # the most outputs a sampled sequence may have
+        pos = list(range(len(toks)))
+        direct0 = graph_argmax.rows_sampled(direct=True)
+        out = be.decode(toks, pos, seq_ids=[[g]] * len(toks), want_logits="all")
+        assert out.sampled is not None and len(out.sampled) == len(toks)
+        copied = [L.llama_get_sampled_logits_count_ith(be.ctx, i) for i in range(len(toks))]
+        be.seq_trim(g, 0)
+        ref = be.decode(toks, pos, seq_ids=[[0]] * len(toks), want_logits="all").logits
+        assert out.sampled.tolist() == np.argmax(ref, axis=1).tolist()
+        taken = graph_argmax.rows_sampled(direct=True) - direct0
+        if kind == "llama":
+            assert copied == [be.n_vocab] * len(toks) and taken == 0
+        else:
+            assert copied == [0] * len(toks)
+            assert taken == (len(toks) if kind == "srsd-threads" else 0)
+    finally:
+        be.close()

@@ -164,6 +164,7 @@ def machine_info(engine: Any) -> dict[str, Any]:
         "faiss_gpu": gpu_available(), "index_backend": engine.index_backend,
         "model": engine.model_name, "model_file": Path(engine.model_path).name,
         "repacked_weights": getattr(engine, "repacked_weights", None),
+        "graph_sampler": getattr(getattr(engine, "backend", None), "graph_sampler", ""),
     }
 
 

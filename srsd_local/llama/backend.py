@@ -19,6 +19,7 @@ import numpy as np
 from ..config import SRSDConfig, environment
 from .capture import CompiledCapture, HiddenCapture, make_capture, resolve_layer
 from .cpubufs import use_extra_buffer_types
+from .graph_argmax import make_sampler
 from .replay import PassReplay
 
 
@@ -153,6 +154,7 @@ class Backend:
         self._chains: list = []
         self.graph_seqs: frozenset[int] = frozenset()  # sequences sampled in llama.cpp's graph
         self.graph_rows = 0  # output rows whose token llama.cpp's graph took, ever
+        self.graph_sampler = ""  # which sampler takes them (_attach_greedy), "" for none
         self.capture: HiddenCapture | CompiledCapture | None = None
         try:
             self.vocab = L.llama_model_get_vocab(self.model)
@@ -173,8 +175,11 @@ class Backend:
             cparams.kv_unified = True
             cparams.swa_full = True
             cparams.no_perf = True
-            if config.sample_in_graph:  # output rows one sampled sequence may have in a
-                # batch: a tree's root and its nodes on one branch
+            # in-graph sampling: asked for, or (auto) where the logits are computed off the CPU
+            graph = config.graph_sampling and (config.sample_in_graph is not None
+                                               or not self._output_on_cpu())
+            if graph:  # output rows one sampled sequence may have in a batch: a tree's root
+                # and its nodes on one branch
                 cparams.n_outputs_max_per_seq = config.max_nodes + 1
             if self.capture is not None:
                 cparams.cb_eval = self.capture.callback
@@ -187,10 +192,11 @@ class Backend:
             self.n_ctx = L.llama_n_ctx(self.ctx)
             self.n_batch = L.llama_n_batch(self.ctx)  # llama.cpp clamps it to n_ctx
             self.mem = L.llama_get_memory(self.ctx)
-            if config.sample_in_graph:
+            if graph:
                 self._attach_greedy([config.graph_branch_base(i) + b
                                      for i in range(config.slots)
-                                     for b in range(config.max_branches)])
+                                     for b in range(config.max_branches)],
+                                    required=config.sample_in_graph is not None)
             self._batch = L.llama_batch_init(self.n_batch, 0, config.seq_max)
             cap = self.n_batch
             self._b_tok = np.ctypeslib.as_array(self._batch.token, shape=(cap,))
@@ -218,15 +224,39 @@ class Backend:
             self.close()
             raise
 
-    def _attach_greedy(self, seqs: Sequence[int]) -> None:
-        """A greedy sampler chain of llama.cpp's on each of these sequences (one chain each:
-        a chain serves one sequence), so their rows' argmax is taken in its graph."""
+    def _output_on_cpu(self) -> bool:
+        """Whether llama.cpp computes the logits on this machine's CPU: no GPU offload, or
+        fewer offloaded layers than the model's layers and its output layer."""
+        cfg = self.config
+        if cfg.rpc_servers:
+            return False
+        if cfg.n_gpu_layers == 0 or not gpu_offload_supported():
+            return True
+        return 0 <= cfg.n_gpu_layers <= self.n_layer
+
+    def _attach_greedy(self, seqs: Sequence[int], required: bool = True) -> None:
+        """A greedy sampler chain on each of these sequences (one chain each: a chain serves
+        one sequence), so their rows' argmax is taken in llama.cpp's graph: the compiled
+        samplers of graph_argmax.py (on a CPU, its argmax on every thread), else llama.cpp's
+        own greedy sampler. Where llama.cpp refuses one, an error, or without `required`
+        none stays attached."""
         L = self._L
+        compiled = environment().graph_sampler == "srsd"
+        threads = self._output_on_cpu()
+        self.graph_sampler = "llama"
         for s in seqs:
             chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
-            L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
+            smpl = make_sampler(L, threads) if compiled else None
+            if smpl is not None:
+                self.graph_sampler = "srsd-threads" if threads else "srsd-ggml"
+            L.llama_sampler_chain_add(chain, smpl or L.llama_sampler_init_greedy())
             self._chains.append(chain)
             if not L.llama_set_sampler(self.ctx, s, chain):
+                if not required:
+                    for q in seqs:
+                        L.llama_set_sampler(self.ctx, q, None)
+                    self.graph_sampler = ""
+                    return
                 raise ValueError("sample_in_graph: llama.cpp could not take the argmax in its "
                                  "graph on this device setup (backend sampling is not "
                                  "supported with a tensor split); run without it")

@@ -1,0 +1,282 @@
+/* Greedy samplers for llama.cpp's graph that copy nothing out but the token.
+ *
+ * When a sequence has a sampler, llama.cpp pads the graph's logits with a row (a copy of
+ * every row, element by element) and hands the sampler a view of the padded tensor per
+ * output row. Its own greedy sampler adds ggml's argmax of that view and leaves the view as
+ * the row's "sampled logits", so the pad is computed and every row is still copied out.
+ * These samplers read the row in llama.cpp's logits tensor itself (a view of the tensor the
+ * pad was made from: the pad is then not computed) and give back no logits. On a CPU
+ * (srsd_argmax_iface(1)) the argmax is two custom ops per row, because ggml's takes one
+ * thread and a scalar loop: every thread takes the maximum of its share of the row (the
+ * first index holding it), then one thread picks the first part with the largest. Elsewhere
+ * (a GPU's backend, srsd_argmax_iface(0)) it is ggml's argmax. The token is numpy's argmax
+ * for rows without NaN.
+ *
+ * The types below follow the llama.h / ggml.h of the pinned llama-cpp-python (the sampler
+ * interface and its data, a token data array, the leading fields of a ggml tensor);
+ * srsd_argmax_setup checks the tensor fields against ggml's own functions on tensors it
+ * makes, and the sampler is not offered (0 returned) when they disagree. */
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+struct ggml_context;
+struct ggml_cgraph;
+struct llama_sampler;
+
+struct tensor { /* the fields of struct tensor up to its data */
+    int type;
+    void *buffer;
+    int64_t ne[4];
+    size_t nb[4];
+    int op;
+    int32_t op_params[16];
+    int32_t flags;
+    struct tensor *src[10];
+    struct tensor *view_src;
+    size_t view_offs;
+    void *data;
+};
+
+struct init_params {
+    size_t mem_size;
+    void *mem_buffer;
+    bool no_alloc;
+};
+
+typedef void (*custom_op)(struct tensor *dst, int ith, int nth, void *userdata);
+typedef struct tensor *(*custom_4d_fn)(struct ggml_context *ctx, int type, int64_t ne0,
+                                       int64_t ne1, int64_t ne2, int64_t ne3,
+                                       struct tensor **args, int n_args, custom_op fun,
+                                       int n_tasks, void *userdata);
+typedef struct tensor *(*view_1d_fn)(struct ggml_context *ctx, struct tensor *a, int64_t ne0,
+                                     size_t offset);
+typedef struct ggml_context *(*init_fn)(struct init_params params);
+typedef void (*free_fn)(struct ggml_context *ctx);
+typedef struct tensor *(*new_2d_fn)(struct ggml_context *ctx, int type, int64_t ne0,
+                                    int64_t ne1);
+typedef struct tensor *(*pad_fn)(struct ggml_context *ctx, struct tensor *a, int p0, int p1,
+                                 int p2, int p3);
+typedef struct tensor *(*argmax_fn)(struct ggml_context *ctx, struct tensor *a);
+typedef void *(*get_data_fn)(const struct tensor *t);
+typedef int64_t (*nelements_fn)(const struct tensor *t);
+
+struct sampler_data {
+    struct tensor *logits, *probs, *sampled, *candidates;
+};
+
+struct token_data {
+    int32_t id;
+    float logit, p;
+};
+
+struct token_data_array {
+    struct token_data *data;
+    size_t size;
+    int64_t selected;
+    bool sorted;
+};
+
+struct sampler_iface {
+    const char *(*name)(const struct llama_sampler *s);
+    void (*accept)(struct llama_sampler *s, int32_t token);
+    void (*apply)(struct llama_sampler *s, struct token_data_array *cur);
+    void (*reset)(struct llama_sampler *s);
+    struct llama_sampler *(*clone)(const struct llama_sampler *s);
+    void (*free)(struct llama_sampler *s);
+    bool (*backend_init)(struct llama_sampler *s, void *buft, uint32_t n_outputs_max);
+    void (*backend_accept)(struct llama_sampler *s, struct ggml_context *ctx,
+                           struct ggml_cgraph *gf, struct tensor *token);
+    void (*backend_apply)(struct llama_sampler *s, struct ggml_context *ctx,
+                          struct ggml_cgraph *gf, struct sampler_data *data);
+    void (*backend_set_input)(struct llama_sampler *s);
+    void (*backend_reset)(struct llama_sampler *s);
+    void (*copy_state)(const struct llama_sampler *src, struct llama_sampler *dst);
+};
+
+enum { TYPE_F32 = 0, TYPE_I32 = 26, ALL_THREADS = -1, MAX_PARTS = 256, LANES = 16 };
+
+static custom_4d_fn custom_4d;
+static view_1d_fn view_1d;
+static argmax_fn ggml_argmax;
+static int pad_op = -1;     /* ggml's op code of a pad, learnt in setup */
+static int64_t rows_taken;  /* rows whose argmax the ops took, for tests */
+static int64_t rows_direct; /* of those, read from the tensor the pad was made from */
+
+/* Checks the tensor fields above on tensors made with ggml's functions, learns the pad's
+ * op code and keeps the functions the sampler uses. 1 when everything agreed, else 0 (the
+ * sampler is then not to be used). */
+int srsd_argmax_setup(void *init_addr, void *free_addr, void *new_2d_addr, void *pad_addr,
+                      void *view_1d_addr, void *custom_4d_addr, void *argmax_addr,
+                      void *get_data_addr, void *nelements_addr) {
+    init_fn init = (init_fn)init_addr;
+    free_fn release = (free_fn)free_addr;
+    new_2d_fn new_2d = (new_2d_fn)new_2d_addr;
+    pad_fn pad = (pad_fn)pad_addr;
+    get_data_fn get_data = (get_data_fn)get_data_addr;
+    nelements_fn nelements = (nelements_fn)nelements_addr;
+    view_1d = (view_1d_fn)view_1d_addr;
+    struct init_params params = {1 << 20, NULL, false};
+    struct ggml_context *ctx = init(params);
+    if (!ctx) return 0;
+    struct tensor *t = new_2d(ctx, TYPE_F32, 40, 3);
+    struct tensor *p = pad(ctx, t, 0, 1, 0, 0);
+    struct tensor *v = view_1d(ctx, p, 40, 2 * p->nb[1]);
+    bool ok = t->type == TYPE_F32 && t->ne[0] == 40 && t->ne[1] == 3 && t->nb[0] == 4 &&
+              t->nb[1] == 160 && nelements(t) == 120 && t->data == get_data(t) &&
+              t->data != NULL && p->src[0] == t && p->ne[1] == 4 && p->nb[1] == 160 &&
+              v->view_src == p && v->view_offs == 320 && v->ne[0] == 40 &&
+              v->op != p->op && t->op != p->op;
+    if (ok) pad_op = p->op;
+    release(ctx);
+    if (!ok) return 0;
+    custom_4d = (custom_4d_fn)custom_4d_addr;
+    ggml_argmax = (argmax_fn)argmax_addr;
+    return 1;
+}
+
+int64_t srsd_argmax_rows(int direct) { return direct ? rows_direct : rows_taken; }
+
+/* The maximum of x[lo, hi) and the first index holding it (lo when every entry is NaN). */
+static void span_max(const float *x, int64_t lo, int64_t hi, float *best, int64_t *at) {
+    float lane[LANES];
+    int64_t i = lo;
+    float m = x[lo];
+    for (int j = 0; j < LANES; ++j) lane[j] = x[lo];
+    for (; i + LANES <= hi; i += LANES)
+        for (int j = 0; j < LANES; ++j) lane[j] = lane[j] > x[i + j] ? lane[j] : x[i + j];
+    for (int j = 0; j < LANES; ++j) m = m > lane[j] ? m : lane[j];
+    for (; i < hi; ++i) m = m > x[i] ? m : x[i];
+    int64_t k = lo;
+    while (k < hi && x[k] != m) ++k;
+    *best = m;
+    *at = k < hi ? k : lo;
+}
+
+/* Thread ith of nth: the maximum of its share of the row (userdata: a contiguous float32
+ * row) and where it is. dst (float32): [nth, (maximum, index bits) per part]. */
+static void part_op(struct tensor *dst, int ith, int nth, void *userdata) {
+    const struct tensor *row = userdata;
+    const float *x = row->data;
+    float *out = dst->data;
+    int64_t n = row->ne[0];
+    if (nth > MAX_PARTS) nth = MAX_PARTS;
+    if (ith >= nth) return;
+    int64_t share = ((n + nth - 1) / nth + LANES - 1) / LANES * LANES;
+    int64_t lo = ith * share, hi = lo + share < n ? lo + share : n;
+    float m = 0.0f;
+    int64_t at = -1;
+    if (lo < hi) span_max(x, lo, hi, &m, &at);
+    int32_t idx = (int32_t)at;
+    out[1 + 2 * ith] = m;
+    memcpy(&out[2 + 2 * ith], &idx, sizeof idx);
+    if (ith == 0) out[0] = (float)nth;
+}
+
+/* One thread: the first part holding the largest maximum, as the row's token (int32). */
+static void pick_op(struct tensor *dst, int ith, int nth, void *userdata) {
+    (void)nth;
+    if (ith != 0) return;
+    const float *parts = ((const struct tensor *)userdata)->data;
+    int n = (int)parts[0];
+    int32_t best = 0;
+    float m = 0.0f;
+    bool found = false;
+    for (int p = 0; p < n; ++p) {
+        int32_t idx;
+        memcpy(&idx, &parts[2 + 2 * p], sizeof idx);
+        if (idx < 0) continue;
+        float v = parts[1 + 2 * p];
+        if (!found || v > m) {
+            m = v;
+            best = idx;
+            found = true;
+        }
+    }
+    *(int32_t *)dst->data = best;
+    ++rows_taken;
+}
+
+static void pick_direct_op(struct tensor *dst, int ith, int nth, void *userdata) {
+    pick_op(dst, ith, nth, userdata);
+    if (ith == 0) ++rows_direct;
+}
+
+static const char *name(const struct llama_sampler *s) {
+    (void)s;
+    return "srsd-argmax";
+}
+
+/* Outside the graph (llama_sampler_apply): the first token of the largest logit. */
+static void apply(struct llama_sampler *s, struct token_data_array *cur) {
+    (void)s;
+    int64_t best = 0;
+    for (size_t i = 1; i < cur->size; ++i)
+        if (cur->data[i].logit > cur->data[best].logit) best = (int64_t)i;
+    cur->selected = cur->size ? best : -1;
+}
+
+static bool backend_init(struct llama_sampler *s, void *buft, uint32_t n_outputs_max) {
+    (void)s, (void)buft, (void)n_outputs_max;
+    return custom_4d != NULL;
+}
+
+/* The row of the tensor llama.cpp's pad copied, when `row` is a view of that pad (the pad
+ * is then not computed), else `row` itself. */
+static struct tensor *unpadded(struct ggml_context *ctx, struct tensor *row, bool *direct) {
+    struct tensor *padded = row->view_src;
+    *direct = false;
+    if (!padded || padded->op != pad_op || !padded->src[0] || !padded->nb[1]) return row;
+    struct tensor *logits = padded->src[0];
+    if (logits->nb[1] != padded->nb[1] || logits->nb[0] != 4 || logits->ne[0] != row->ne[0] ||
+        row->view_offs % padded->nb[1] != 0 ||
+        (int64_t)(row->view_offs / padded->nb[1]) >= logits->ne[1])
+        return row;
+    *direct = true;
+    return view_1d(ctx, logits, row->ne[0], row->view_offs);
+}
+
+/* CPU: the two custom ops. */
+static void apply_threads(struct llama_sampler *s, struct ggml_context *ctx,
+                          struct ggml_cgraph *gf, struct sampler_data *data) {
+    (void)s, (void)gf;
+    bool direct;
+    struct tensor *row = unpadded(ctx, data->logits, &direct);
+    struct tensor *parts = custom_4d(ctx, TYPE_F32, 1 + 2 * MAX_PARTS, 1, 1, 1, &row, 1,
+                                     part_op, ALL_THREADS, row);
+    data->sampled = custom_4d(ctx, TYPE_I32, 1, 1, 1, 1, &parts, 1,
+                              direct ? pick_direct_op : pick_op, 1, parts);
+    /* only the token comes back: left set, the row would be computed (the pad) and copied
+     * out as the row's sampled logits */
+    data->logits = NULL;
+}
+
+/* Any backend (a GPU's): ggml's argmax of the unpadded row, nothing copied out but the
+ * token. */
+static void apply_ggml(struct llama_sampler *s, struct ggml_context *ctx,
+                       struct ggml_cgraph *gf, struct sampler_data *data) {
+    (void)s, (void)gf;
+    bool direct;
+    struct tensor *row = unpadded(ctx, data->logits, &direct);
+    data->sampled = ggml_argmax(ctx, row);
+    data->logits = NULL;
+}
+
+static struct sampler_iface threads_iface = {
+    .name = name,
+    .apply = apply,
+    .backend_init = backend_init,
+    .backend_apply = apply_threads,
+};
+
+static struct sampler_iface ggml_iface = {
+    .name = name,
+    .apply = apply,
+    .backend_init = backend_init,
+    .backend_apply = apply_ggml,
+};
+
+/* The sampler interface: 1, the CPU's custom ops; 0, ggml's argmax. */
+void *srsd_argmax_iface(int threads) { return threads ? &threads_iface : &ggml_iface; }

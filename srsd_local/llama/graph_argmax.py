@@ -1,0 +1,72 @@
+"""Greedy samplers for llama.cpp's graph that copy nothing out but the token (`_argmax.c`).
+
+With `sample_in_graph`, each output row of a sampled sequence gets its argmax inside the
+forward pass and only the token id comes back. llama.cpp's own greedy sampler still has
+every row padded into a copy and copied out (as the row's "sampled logits"), and on a CPU
+its argmax takes one thread and a scalar loop; together they cost more than the walk over
+logits rows they spare. These samplers take the row from llama.cpp's logits tensor itself
+(no pad computed), give back no logits, and on a CPU take the argmax with two custom ggml
+ops per row on every thread. Built once with the system's C compiler into the cache; where
+they cannot be, the engine falls back on llama.cpp's greedy sampler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+from importlib import resources
+
+from .. import store
+from .capture import _ggml_lib
+
+FLAGS = ("-O3", "-march=native")
+# ggml's functions srsd_argmax_setup takes, in its order
+SETUP = ("ggml_init", "ggml_free", "ggml_new_tensor_2d", "ggml_pad", "ggml_view_1d",
+         "ggml_custom_4d", "ggml_argmax", "ggml_get_data", "ggml_nelements")
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The compiled sampler, set up with ggml's functions; None without a compiler."""
+    src = resources.files("srsd_local.llama").joinpath("_argmax.c").read_bytes()
+    lib = None
+    for flags, per_machine in ((FLAGS, True), (("-O3",), False)):
+        try:
+            path = store.compiled_library("argmax", src, flags, per_machine)
+            if path is not None:
+                lib = ctypes.CDLL(str(path))
+                break
+        except OSError:  # an unwritable cache, a library that does not load
+            continue
+    if lib is None:
+        return None
+    ggml = _ggml_lib()
+    addr = [ctypes.cast(getattr(ggml, f), ctypes.c_void_p).value for f in SETUP]
+    lib.srsd_argmax_setup.argtypes = [ctypes.c_void_p] * len(SETUP)
+    lib.srsd_argmax_setup.restype = ctypes.c_int
+    if not lib.srsd_argmax_setup(*addr):  # ggml's tensors are not laid out as expected
+        return None
+    lib.srsd_argmax_iface.argtypes = [ctypes.c_int]
+    lib.srsd_argmax_iface.restype = ctypes.c_void_p
+    lib.srsd_argmax_rows.argtypes = [ctypes.c_int]
+    lib.srsd_argmax_rows.restype = ctypes.c_int64
+    return lib
+
+
+def make_sampler(L, threads: bool) -> object | None:
+    """A new llama_sampler of this kind (for a sampler chain, which then owns it), or None
+    when it could not be built. `threads`: the argmax as custom ops on every CPU thread (for
+    logits computed on the CPU), else ggml's argmax (on the backend that computed them)."""
+    lib = library()
+    if lib is None:
+        return None
+    iface = ctypes.cast(lib.srsd_argmax_iface(int(threads)), ctypes.POINTER(L.llama_sampler_i))
+    smpl = L.llama_sampler_init(iface, None)
+    return smpl or None
+
+
+def rows_sampled(direct: bool = False) -> int:
+    """Rows whose argmax this sampler took in a graph, ever, in this process (`direct`: of
+    those, the rows read from llama.cpp's logits tensor rather than its padded copy)."""
+    lib = library()
+    return 0 if lib is None else int(lib.srsd_argmax_rows(int(direct)))
