@@ -11,7 +11,7 @@
 # Writes OUT_DIR/gpu.json, gpu.png, benchmarks-gpu.md (a docs/benchmarks.md section),
 # logits-cost.md (scripts/logits_cost.py) and the logs. Sized for about 3-4 minutes on an H200
 # (4 prompts of each workload, 5 modes of ours,
-# then ar and srsd again with --sample-in-graph (SKIP_IN_GRAPH=1 leaves it out), then the
+# then ar and srsd again with --no-sample-in-graph (SKIP_IN_GRAPH=1 leaves it out), then the
 # concurrency run, which SKIP_CONCURRENCY=1 leaves out;
 # the llama-server modes add about as much again; MODES=... overrides the list). The
 # llama-server peers need a CUDA build of llama-server from the same llama.cpp (scripts/build_llama_server.sh with
@@ -34,13 +34,15 @@ print("llama_cpp with GPU offload:", L.__file__)
 PY
 peer=()
 if [[ -n "${LLAMA_SERVER:-}" ]]; then peer=(--llama-server "$LLAMA_SERVER"); fi
-# what a tree's logits cost on this GPU, and whether llama.cpp's in-graph greedy sampler
-# (argmax on the device, only token ids copied back) beats copying every logits row to the
-# host for a numpy argmax (on a 2-core CPU it does not: see docs/benchmarks.md)
+# what a tree's logits cost on this GPU, and whether an in-graph greedy sampler (argmax on
+# the device: llama.cpp's, which still copies every row back as its "sampled logits", or the
+# compiled one, which copies only token ids) beats copying every logits row to the host for
+# a numpy argmax
 python3 scripts/logits_cost.py --model "$model" --n-gpu-layers -1 2>&1 \
     | tee "$out/logits-cost.md"
 # the ablation (n-gram pool alone, hidden states alone, both: srsd) and the host time per step
-# outside llama_decode are columns of the table; --host-replay adds the same host times with
+# outside llama_decode are columns of the table (greedy trees sampled in the graph: the
+# default with GPU layers); --host-replay adds the same host times with
 # the passes served from a recording (on a GPU the two should be close: a pass there does not
 # flush the host's caches; on a CPU it does)
 modes=${MODES:-ar,pld,ngram,retrieval,srsd,llama-server,llama-server-spec}
@@ -49,15 +51,15 @@ python3 -m srsd_local.cli bench --model "$model" --workload "$workload" --modes 
     --host-replay \
     --json "$out/gpu.json" --plot "$out/gpu.png" --doc "$out/benchmarks-gpu.md" \
     2>&1 | tee "$out/bench.log"
-# greedy trees with the argmax in llama.cpp's graph (--sample-in-graph) against the default
-# (every logits row copied out, numpy argmax), same prompts, one run each; replayed too (the
-# host time per tree without the walk's row reads)
+# the default (greedy trees' argmax in llama.cpp's graph) against every logits row copied out
+# for a numpy argmax (--no-sample-in-graph), same prompts, one run each; replayed too (the
+# host time per tree with the walk's row reads)
 if [[ -z "${SKIP_IN_GRAPH:-}" ]]; then
     python3 -m srsd_local.cli bench --model "$model" --workload "$workload" --modes ar,srsd \
-        --max-prompts "$max_prompts" --n-gpu-layers -1 --sample-in-graph --label GPU-in-graph \
-        --host-replay \
-        --json "$out/gpu-in-graph.json" --doc "$out/benchmarks-gpu.md" \
-        2>&1 | tee "$out/bench-in-graph.log"
+        --max-prompts "$max_prompts" --n-gpu-layers -1 --no-sample-in-graph \
+        --label GPU-logits-rows --host-replay \
+        --json "$out/gpu-logits-rows.json" --doc "$out/benchmarks-gpu.md" \
+        2>&1 | tee "$out/bench-logits-rows.log"
 fi
 # several clients at once: total and per-request tokens/s with 1, 2, 4 and 8 clients (the
 # engine's --parallel 8 next to llama-server -np 8), and the gap a 2k-token prompt causes

@@ -1,6 +1,6 @@
-"""What the logits of a verified tree cost on this machine, and whether llama.cpp's own greedy
-sampler (an argmax inside its graph) is cheaper than copying the logits rows out and taking
-their argmax in numpy.
+"""What the logits of a verified tree cost on this machine, and whether an in-graph greedy
+sampler (an argmax inside llama.cpp's graph: llama.cpp's own, or the project's compiled one)
+is cheaper than copying the logits rows out and taking their argmax in numpy.
 
     python scripts/logits_cost.py [--n-gpu-layers -1] [--threads N] [--reps 15]
 
@@ -8,11 +8,13 @@ Prints two markdown tables:
 1. decode time of n = 1..16 tokens with logits for every token vs for the last one only
    (the difference is the output layer and the logits copy of the other rows; every n, since
    matrix kernels that take rows in tiles make some sizes dearer than the next);
-2. a 16-node tree of 4 branches, verified (a) as the engine does today: logits of every node
-   copied to the host, argmax in numpy, and (b) with a greedy backend sampler attached to
-   the branches' sequences (the engine's `sample_in_graph`), so llama.cpp takes the argmax
-   in its graph and copies only token ids (`llama_set_sampler`, `llama_get_sampled_token_ith`,
-   an experimental llama.cpp API). It also checks that both give the same token for every node.
+2. a 16-node tree of 4 branches, verified (a) with the logits of every node copied to the
+   host, argmax in numpy, and with a greedy backend sampler attached to the branches'
+   sequences (the engine's `sample_in_graph`: llama.cpp takes the argmax in its graph,
+   `llama_set_sampler`, `llama_get_sampled_token_ith`, an experimental llama.cpp API), (b)
+   llama.cpp's greedy sampler (which still has every row padded and copied out as its
+   "sampled logits"), (c) the compiled one of llama/graph_argmax.py (only token ids come
+   back). It also checks that all give the same token for every node.
 
 Ratios come from one run, minimum over repeats (other load only ever adds time).
 """
@@ -20,6 +22,7 @@ Ratios come from one run, minimum over repeats (other load only ever adds time).
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numpy as np
@@ -95,32 +98,39 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     args = ap.parse_args()
     path = resolve_model(args.model)
-    cfg = SRSDConfig(n_ctx=1024, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads)
+    cfg = SRSDConfig(n_ctx=1024, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
+                     sample_in_graph=False)
     plain = Backend(path, cfg)
-    # the same model with llama.cpp's greedy sampler on the sampled branch ids
-    sampled = Backend(path, cfg.with_(sample_in_graph=True))
+    # the same model with a greedy sampler on the sampled branch ids: llama.cpp's, ours
+    os.environ["SRSD_GRAPH_SAMPLER"] = "llama"
+    try:
+        llama = Backend(path, cfg.with_(sample_in_graph=True))
+    finally:
+        del os.environ["SRSD_GRAPH_SAMPLER"]
+    ours = Backend(path, cfg.with_(sample_in_graph=True))
     toks = plain.tokenize(TEXT)
-    for be in (plain, sampled):
+    for be in (plain, llama, ours):
         be.decode(toks[:CTX], want_logits="none")
 
     print(f"## Output layer share ({path.name}, n_gpu_layers={args.n_gpu_layers})\n")
     output_share(plain, toks, args.reps)
 
     ref = verify_tree(plain, toks)[0]
-    got = verify_tree(sampled, toks)[0]
-    same = sum(a == b for a, b in zip(ref, got))
+    same = [sum(a == b for a, b in zip(ref, verify_tree(be, toks)[0])) for be in (llama, ours)]
     print(f"\n## A {NODES}-node tree: argmax in numpy vs in llama.cpp's graph\n")
-    print(f"same token at {same} of {NODES} nodes\n")
+    print(f"same token as numpy's at {same[0]} of {NODES} nodes (llama.cpp's sampler), "
+          f"{same[1]} of {NODES} ({ours.graph_sampler})\n")
     print("| verification | ms in llama_decode | ms after it (tokens out) | total ms |")
     print("|---|---|---|---|")
     for name, be in (("logits copied, numpy argmax", plain),
-                     ("greedy backend sampler", sampled)):
+                     ("llama.cpp's greedy sampler", llama),
+                     (f"compiled greedy sampler ({ours.graph_sampler})", ours)):
         runs = [verify_tree(be, toks)[1:] for _ in range(args.reps)]
         dec = min(r[0] for r in runs)
         host = float(np.median([r[1] for r in runs]))
         print(f"| {name} | {1000 * dec:.2f} | {1000 * host:.3f} | {1000 * (dec + host):.2f} |")
-    sampled.close()
-    plain.close()
+    for be in (ours, llama, plain):
+        be.close()
 
 
 if __name__ == "__main__":
