@@ -196,12 +196,12 @@ static void pick_op(struct tensor *dst, int ith, int nth, void *userdata) {
         }
     }
     *(int32_t *)dst->data = best;
-    ++rows_taken;
+    __atomic_fetch_add(&rows_taken, 1, __ATOMIC_RELAXED); /* contexts may compute at once */
 }
 
 static void pick_direct_op(struct tensor *dst, int ith, int nth, void *userdata) {
     pick_op(dst, ith, nth, userdata);
-    if (ith == 0) ++rows_direct;
+    if (ith == 0) __atomic_fetch_add(&rows_direct, 1, __ATOMIC_RELAXED);
 }
 
 static const char *name(const struct llama_sampler *s) {
