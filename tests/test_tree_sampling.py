@@ -205,6 +205,13 @@ def test_the_compiled_temperature_kernel_draws_by_the_exact_distribution(n_vocab
         two = np.array([0.0, -gap], np.float32)
         assert kern(two, edge - tol) == 0 and kern(two, edge + tol) == 1, gap
     assert kern(np.array([5.0, 5.0, -np.inf, 5.0], np.float32), 0.999) == 3
+    # whole blocks of -inf weigh nothing; a block far below the row's maximum next to none
+    big = np.full(3 * kernels.BLOCK, -np.inf, np.float32)
+    big[kernels.BLOCK + 3], big[kernels.BLOCK + 9] = 1.0, 1.0 - 0.7 * np.log(3.0)
+    assert [kern(big, u) for u in (0.0, 0.74, 0.76, 0.999)] == [kernels.BLOCK + 3] * 2 + \
+        [kernels.BLOCK + 9] * 2
+    big[2 * kernels.BLOCK] = -500.0  # e^-716 of the maximum: never drawn
+    assert kern(big, 1.0 - 1e-15) == kernels.BLOCK + 9
     assert kern(np.array([0.0, -70.0], np.float32), 1.0 - 1e-12) == 0  # e^-100: underflows
     assert Sampler(SamplingParams(temperature=0.7, seed=1))._kernel is not None
     assert Sampler(SamplingParams(temperature=0.7, top_k=5))._kernel is None

@@ -70,25 +70,39 @@ static double block_sum(const float *x, int64_t lo, int64_t hi, float m, float i
 
 /* A token drawn with probability proportional to exp((x[i] - max x) / temperature), given
  * inv_t = 1 / temperature and u uniform in [0, 1): the first i whose cumulative weight
- * exceeds u times the total. `sums` holds n / BLOCK + 1 doubles (scratch). */
+ * exceeds u times the total. One pass over the row from memory: each block's maximum, then
+ * its weights relative to that maximum (the block is still in the first-level cache), then
+ * the blocks' sums brought to the row's maximum in double. `sums` holds 2 * (n / BLOCK + 1)
+ * doubles (scratch: the scaled sums, then the blocks' maxima). */
 int64_t srsd_sample_temperature(const float *x, int64_t n, float inv_t, double u,
                                 double *sums) {
     if (n <= 0) return -1;
-    const float m = row_max(x, n);
     const int64_t n_blocks = (n + BLOCK - 1) / BLOCK;
+    double *maxes = sums + n_blocks;
+    float m = -INFINITY;
+    for (int64_t b = 0; b < n_blocks; ++b) {
+        const int64_t lo = b * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;
+        const float mb = row_max(x + lo, hi - lo);
+        maxes[b] = mb;
+        /* a block of -inf only weighs nothing (and -inf - -inf is not a number) */
+        sums[b] = mb == -INFINITY ? 0.0 : block_sum(x, lo, hi, mb, inv_t);
+        m = m > mb ? m : mb;
+    }
+    if (m == -INFINITY) return n - 1; /* nothing to draw from */
     double total = 0.0;
     for (int64_t b = 0; b < n_blocks; ++b) {
-        const int64_t hi = (b + 1) * BLOCK < n ? (b + 1) * BLOCK : n;
-        sums[b] = block_sum(x, b * BLOCK, hi, m, inv_t);
+        if (sums[b] > 0.0) sums[b] *= exp(((double)(float)maxes[b] - (double)m) * inv_t);
         total += sums[b];
     }
     const double target = u * total;
     double before = 0.0;
     int64_t b = 0;
     for (; b < n_blocks - 1 && before + sums[b] <= target; ++b) before += sums[b];
-    const int64_t hi = (b + 1) * BLOCK < n ? (b + 1) * BLOCK : n;
-    for (int64_t i = b * BLOCK; i < hi; ++i) {
-        before += exp_nonpos((x[i] - m) * inv_t);
+    const int64_t lo = b * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;
+    const float mb = (float)maxes[b];
+    const double scale = exp(((double)mb - (double)m) * inv_t);
+    for (int64_t i = lo; i < hi; ++i) {
+        before += exp_nonpos((x[i] - mb) * inv_t) * scale;
         if (before > target) return i;
     }
     return hi - 1; /* rounding left the target at the block's very end */
