@@ -17,6 +17,7 @@ crash never leaves a half-written file; a file that cannot be parsed reads as mi
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -131,3 +132,18 @@ def compiled_library(name: str, source: bytes, flags: tuple[str, ...] = ("-O2",)
             return None
         write_bytes(out, so.read_bytes())
     return out
+
+
+def load_compiled(name: str, source: bytes,
+                  builds: tuple[tuple[tuple[str, ...], bool], ...]) -> ctypes.CDLL | None:
+    """The first of `builds` ((flags, per_machine) each, see `compiled_library`) that
+    compiles and loads, as a loaded library; None when none does (no compiler, an unwritable
+    cache, a library that does not load)."""
+    for flags, per_machine in builds:
+        try:
+            built = compiled_library(name, source, flags, per_machine)
+            if built is not None:
+                return ctypes.CDLL(str(built))
+        except OSError:
+            continue
+    return None

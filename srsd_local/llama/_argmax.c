@@ -26,7 +26,7 @@ struct ggml_context;
 struct ggml_cgraph;
 struct llama_sampler;
 
-struct tensor { /* the fields of struct tensor up to its data */
+struct tensor { /* the fields of struct ggml_tensor up to its data */
     int type;
     void *buffer;
     int64_t ne[4];

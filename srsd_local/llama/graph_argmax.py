@@ -29,15 +29,7 @@ SETUP = ("ggml_init", "ggml_free", "ggml_new_tensor_2d", "ggml_pad", "ggml_view_
 def library() -> ctypes.CDLL | None:
     """The compiled sampler, set up with ggml's functions; None without a compiler."""
     src = resources.files("srsd_local.llama").joinpath("_argmax.c").read_bytes()
-    lib = None
-    for flags, per_machine in ((FLAGS, True), (("-O3",), False)):
-        try:
-            path = store.compiled_library("argmax", src, flags, per_machine)
-            if path is not None:
-                lib = ctypes.CDLL(str(path))
-                break
-        except OSError:  # an unwritable cache, a library that does not load
-            continue
+    lib = store.load_compiled("argmax", src, ((FLAGS, True), (("-O3",), False)))
     if lib is None:
         return None
     ggml = _ggml_lib()

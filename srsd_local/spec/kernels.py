@@ -40,15 +40,7 @@ def library() -> ctypes.CDLL | None:
     if environment().kernels == "python":
         return None
     src = resources.files("srsd_local.spec").joinpath("_kernels.c").read_bytes()
-    lib = None
-    for flags, per_machine in ((FLAGS + NATIVE, True), (FLAGS, False)):
-        try:
-            path = store.compiled_library("kernels", src, flags, per_machine)
-            if path is not None:
-                lib = ctypes.CDLL(str(path))
-                break
-        except OSError:  # an unwritable cache, a library that does not load
-            continue
+    lib = store.load_compiled("kernels", src, ((FLAGS + NATIVE, True), (FLAGS, False)))
     if lib is None:
         return None
     fn = lib.srsd_sample_temperature
