@@ -534,3 +534,23 @@ def test_an_edit_is_copied_in_chains_without_drafting_and_equals_plain(engine, m
     # every verified chain's step drafted nothing
     assert len(drafted_steps) <= out.stats.steps - len(chains)
     assert out.token_ids == engine.generate(prompt, max_tokens=96, mode="ar").token_ids
+
+
+def test_sampled_rows_are_drawn_on_the_decode_threads_with_one_threads_tokens(engine,
+                                                                             monkeypatch):
+    """A temperature-only request's draws run on the engine's thread count (the decode's
+    threads, idle between passes) and give the tokens a one-thread draw gives."""
+    from srsd_local.spec import kernels, sampling
+
+    job = engine._job("Once upon a time", max_tokens=4, temperature=0.8, seed=2)
+    if kernels.library() is None:
+        pytest.skip("no C compiler: rows are drawn by numpy")
+    assert job.sampler._kernel.threads == engine.config.threads
+    kw = dict(max_tokens=40, temperature=0.8, seed=9, mode="ar")
+    engine.reset()
+    many = engine.generate("Write a short story about a lighthouse keeper.", **kw)
+    monkeypatch.setattr(sampling, "temperature_kernel",
+                        lambda t, threads=1: kernels.temperature_kernel(t, 1))
+    engine.reset()
+    one = engine.generate("Write a short story about a lighthouse keeper.", **kw)
+    assert len(one.token_ids) == 40 and many.token_ids == one.token_ids

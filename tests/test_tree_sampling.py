@@ -217,6 +217,27 @@ def test_the_compiled_temperature_kernel_draws_by_the_exact_distribution(n_vocab
     assert Sampler(SamplingParams(temperature=0.7, top_k=5))._kernel is None
 
 
+@pytest.mark.parametrize("threads", [2, 3, 8])
+def test_the_temperature_kernel_draws_the_same_tokens_on_any_number_of_threads(threads):
+    """The blocks of a row shared out among threads give the same draw as one thread, for
+    every uniform number (rows long enough to be shared out, blocks of -inf among them, a
+    last short block); a Sampler hands its thread count to the kernel."""
+    from srsd_local.spec import kernels
+
+    one, many = kernels.temperature_kernel(0.8), kernels.temperature_kernel(0.8, threads)
+    if one is None:
+        pytest.skip("no C compiler: the sampler uses numpy (tested above)")
+    rng = np.random.default_rng(threads)
+    for n in (kernels.MIN_THREADED, 262_144, 100_003):
+        row = rng.normal(scale=5.0, size=n).astype(np.float32)
+        row[kernels.BLOCK: 5 * kernels.BLOCK] = -np.inf
+        us = np.concatenate([rng.random(400), [0.0, 0.5, 1.0 - 1e-12]])
+        assert [many(row, float(u)) for u in us] == [one(row, float(u)) for u in us]
+    assert many.threads == threads
+    s = Sampler(SamplingParams(temperature=0.8, seed=3), threads=threads)
+    assert s._kernel is not None and s._kernel.threads == threads
+
+
 @pytest.mark.parametrize("n_vocab,n_high", [(5000, 5000), (60_000, 3000), (60_000, 20_000)])
 def test_top_p_on_a_large_flat_vocabulary_is_exact(n_vocab, n_high):
     rng = np.random.default_rng(0)

@@ -315,7 +315,7 @@ class Engine:
         stops = check_stop(stop)
         tokens = self._check_prompt(prompt)
         return _Job(tokens, max_tokens, params, req, stops, logprobs,
-                    self.constraint(grammar, json_schema))
+                    self.constraint(grammar, json_schema), self.config.threads)
 
     def constraint(self, grammar: str | None = None, json_schema: Any = None
                    ) -> GrammarState | None:
@@ -896,13 +896,14 @@ class _Job:
 
     def __init__(self, tokens: list[int], max_tokens: int, params: SamplingParams,
                  req: Request, stops: list[str], logprobs: int | None,
-                 grammar: GrammarState | None = None) -> None:
+                 grammar: GrammarState | None = None, threads: int = 1) -> None:
         self.tokens, self.max_tokens, self.params = tokens, max_tokens, params
         self.req, self.stops, self.logprobs = req, stops, logprobs
         # under an output constraint: its position (advanced by the sampler) drives the drafts
         self.forcing = None if grammar is None else Forcing(grammar, FORCED_CHARS)
-        self.sampler = Sampler(params) if grammar is None else ConstrainedSampler(params,
-                                                                                  grammar)
+        # (a row is drawn on the decode's threads: idle between forward passes)
+        self.sampler = (Sampler(params, threads) if grammar is None else
+                        ConstrainedSampler(params, grammar, threads))
         self.stats = GenerationStats(mode=req.mode, prompt_tokens=len(tokens), steps=1)
         self.slot: Slot | None = None
         self.gen: Generator[Work, None, None] | None = None

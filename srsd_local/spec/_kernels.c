@@ -72,22 +72,27 @@ static double block_sum(const float *x, int64_t lo, int64_t hi, float m, float i
  * inv_t = 1 / temperature and u uniform in [0, 1): the first i whose cumulative weight
  * exceeds u times the total. One pass over the row from memory: each block's maximum, then
  * its weights relative to that maximum (the block is still in the first-level cache), then
- * the blocks' sums brought to the row's maximum in double. `sums` holds 2 * (n / BLOCK + 1)
- * doubles (scratch: the scaled sums, then the blocks' maxima). */
+ * the blocks' sums brought to the row's maximum in double (the blocks on `n_threads`
+ * threads). `sums` holds 2 * (n / BLOCK + 1) doubles (scratch: the scaled sums, then the
+ * blocks' maxima). */
 int64_t srsd_sample_temperature(const float *x, int64_t n, float inv_t, double u,
-                                double *sums) {
+                                double *sums, int n_threads) {
     if (n <= 0) return -1;
     const int64_t n_blocks = (n + BLOCK - 1) / BLOCK;
     double *maxes = sums + n_blocks;
-    float m = -INFINITY;
+    /* the blocks are independent: shared out among n_threads threads where the build has
+     * OpenMP (the pool llama.cpp's CPU backend decodes with, idle between its passes); each
+     * block's results are the same whoever computes them */
+#pragma omp parallel for num_threads(n_threads) schedule(static) if (n_threads > 1)
     for (int64_t b = 0; b < n_blocks; ++b) {
         const int64_t lo = b * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;
         const float mb = row_max(x + lo, hi - lo);
         maxes[b] = mb;
         /* a block of -inf only weighs nothing (and -inf - -inf is not a number) */
         sums[b] = mb == -INFINITY ? 0.0 : block_sum(x, lo, hi, mb, inv_t);
-        m = m > mb ? m : mb;
     }
+    float m = -INFINITY;
+    for (int64_t b = 0; b < n_blocks; ++b) m = m > (float)maxes[b] ? m : (float)maxes[b];
     if (m == -INFINITY) return n - 1; /* nothing to draw from */
     double total = 0.0;
     for (int64_t b = 0; b < n_blocks; ++b) {

@@ -145,12 +145,13 @@ def _pick(p: np.ndarray, u: float) -> int:
 class Sampler:
     """Greedy (temperature 0) or seeded random sampling from one logits row."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, threads: int = 1) -> None:
         self.params = params
         self.rng = np.random.default_rng(params.seed)
         self._scratch: np.ndarray | None = None  # temperature alone: the row's weights
-        # temperature alone: the compiled kernel where there is one (kernels.py)
-        self._kernel = (temperature_kernel(params.temperature)
+        # temperature alone: the compiled kernel where there is one (kernels.py), on up to
+        # `threads` threads
+        self._kernel = (temperature_kernel(params.temperature, threads)
                         if not params.greedy and _temperature_only(params) else None)
 
     def __call__(self, logits: np.ndarray) -> int:
@@ -286,8 +287,9 @@ class ConstrainedSampler(Sampler):
     logit were -inf; admitted tokens more than CUTOFF x temperature logits below the best
     admitted one (e^-30 times less likely) are left out of the candidates."""
 
-    def __init__(self, params: SamplingParams, constraint: Constraint) -> None:
-        super().__init__(params)
+    def __init__(self, params: SamplingParams, constraint: Constraint, threads: int = 1
+                 ) -> None:
+        super().__init__(params, threads)
         self.constraint = constraint
 
     def __call__(self, logits: np.ndarray) -> int:
