@@ -263,7 +263,9 @@ def _best_of(x: np.ndarray, ids: np.ndarray, checked: np.ndarray, allowed: Const
     """The best admitted token among `ids` (a superset of the admitted ones), `checked`
     already known to be rejected: best first, in chunks of the 256, 4096, 65536 best and
     the rest."""
-    ids = ids[~np.isin(ids, checked)]
+    seen = np.zeros(x.shape[0], dtype=bool)  # (a gather: np.isin sorts both arrays)
+    seen[checked] = True
+    ids = ids[~seen[ids]]
     xs = x[ids]
     taken = np.zeros(len(ids), dtype=bool)
     for k in (256, 4096, 65536, len(ids)):
