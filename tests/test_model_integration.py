@@ -103,6 +103,34 @@ def test_decode_splits_batches_larger_than_n_batch(backend):
     backend.clear()
 
 
+def test_a_decode_waits_for_its_forward_pass_inside_the_timed_call(backend, monkeypatch):
+    """llama_decode returns once a pass is queued (on a GPU it is still running): each
+    successful call is followed by llama_synchronize inside the time counted as decoding,
+    so a slow device's wait is decode time, not host time; a failed call does not wait."""
+    from srsd_local.llama import backend as backend_mod
+    from srsd_local.llama.backend import DecodeError
+
+    waits = []
+    real = backend_mod._synchronize
+
+    def slow(L, ctx):
+        real(L, ctx)
+        time.sleep(0.05)
+        waits.append(ctx)
+    monkeypatch.setattr(backend_mod, "_synchronize", slow)
+    backend.clear()
+    before = backend.decode_seconds
+    ids = backend.tokenize("one two three")
+    backend.decode(ids, want_logits="last")
+    backend.step(ids[0])
+    assert waits == [backend.ctx, backend.ctx]
+    assert backend.decode_seconds - before >= 2 * 0.05
+    with pytest.raises(DecodeError, match="failed with code"):  # a sequence id out of range
+        backend.step_at(ids[0], backend.n_past, 10_000)
+    assert len(waits) == 2
+    backend.clear()
+
+
 def _sequential_rows(backend, prefix, branch):
     backend.clear()
     out = backend.decode(prefix + branch, want_logits="all")

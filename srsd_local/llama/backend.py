@@ -61,6 +61,20 @@ def _get_logits_address(L, ctx) -> int | None:
     return _GET_LOGITS(ctx)
 
 
+_SYNC = None
+
+
+def _synchronize(L, ctx) -> None:
+    """llama_synchronize, bound once: llama_decode returns once the forward pass is queued,
+    and with GPU layers the pass (after the last captured tensor, at least) is still running
+    then; waiting here keeps it inside the timed decode (the cost model's step times, the
+    host time per step) instead of in the first read of its results."""
+    global _SYNC
+    if _SYNC is None:
+        _SYNC = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(("llama_synchronize", L._lib))
+    _SYNC(ctx)
+
+
 def _silence_llama_log(L) -> None:
     global _LOG_CB
 
@@ -505,6 +519,8 @@ class Backend:
             return
         t0 = time.perf_counter()
         rc = self._L.llama_decode(self.ctx, self._batch)
+        if rc == 0:
+            _synchronize(self._L, self.ctx)
         dt = time.perf_counter() - t0
         self.decode_seconds += dt
         if rc == 0:
