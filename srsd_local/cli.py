@@ -47,8 +47,8 @@ def _add_rpc_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rpc-child", action="store_true", help=argparse.SUPPRESS)
 
 
-BENCH_MODES = ("ar,pld,ngram,retrieval,srsd,hybrid,lcp-pld,llama-server,llama-server-spec,"
-               "llama-server-ngram-simple")
+BENCH_MODES = ("ar,pld,ngram,retrieval,srsd,hybrid,lcp-pld,c-loop,llama-server,"
+               "llama-server-spec,llama-server-ngram-simple")
 CONCURRENCY_MODES = "ar,srsd,llama-server,llama-server-spec"
 
 
@@ -194,7 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--modes", default=BENCH_MODES,
                    help="comma-separated: ar, pld, ngram, retrieval, srsd, hybrid (ngram and "
                         "retrieval are the ablation of srsd's two sources); peers: lcp-pld "
-                        "(llama-cpp-python's prompt lookup), llama-server (plain), "
+                        "(llama-cpp-python's prompt lookup), c-loop (plain decoding in one C "
+                        "call per generation: the baseline for ar's per-token overhead), "
+                        "llama-server (plain), "
                         "llama-server-spec (--spec-default), llama-server-ngram-simple "
                         "(--spec-type ngram-simple); llama-server modes are skipped when the "
                         "binary is missing (scripts/build_llama_server.sh builds it)")

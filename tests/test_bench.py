@@ -333,7 +333,8 @@ def test_missing_binary_skips_server_modes_and_says_how_to_build(tmp_path):
         ["ar", "srsd", "lcp-pld", "llama-server", "llama-server-spec"],
         PeerSettings("m.gguf", 512, 1, 0), tmp_path / "nope" / "llama-server",
         warn=warnings.append, make_server=lambda *a: started.append(a[0]),
-        make_lcp=lambda s: SimpleNamespace(run=None, close=lambda: None))
+        make_lcp=lambda s: SimpleNamespace(run=None, close=lambda: None),
+        make_loop=lambda s: started.append("c-loop"))
     assert modes == ["ar", "srsd", "lcp-pld"] and list(peers) == ["lcp-pld"] and not started
     assert len(warnings) == 1 and "scripts/build_llama_server.sh" in warnings[0]
     assert "llama-server, llama-server-spec" in warnings[0]
@@ -681,11 +682,13 @@ def _bench(tmp_path: Path, modes: str, *extra: str,
 @pytest.mark.model
 def test_real_bench_run_writes_table_json_plot_and_doc(tmp_path):
     png, doc = tmp_path / "r.png", tmp_path / "b.md"
-    proc, out = _bench(tmp_path, "ar,srsd,lcp-pld", "--plot", str(png), "--doc", str(doc),
-                       "--label", "test")
+    proc, out = _bench(tmp_path, "ar,srsd,lcp-pld,c-loop", "--plot", str(png), "--doc",
+                       str(doc), "--label", "test")
     assert "| overall | srsd |" in proc.stdout and "| overall | lcp-pld |" in proc.stdout
     data = json.loads(out.read_text())
-    for m in ("ar", "srsd", "lcp-pld"):
+    # the C loop decodes what ar decodes
+    assert data["modes"]["c-loop"]["identical_to_ar"] == [1, 1]
+    for m in ("ar", "srsd", "lcp-pld", "c-loop"):
         assert {"tokens", "seconds", "tokens_per_second", "speedup_vs_ar",
                 "mean_accepted_length", "host_ms_plain", "host_ms_tree"} <= set(data["modes"][m])
         assert data["modes"][m]["tokens"] == 24
@@ -695,7 +698,7 @@ def test_real_bench_run_writes_table_json_plot_and_doc(tmp_path):
         v = data["modes"][m]["verify"]
         assert v["positions"] == 24 and v["beyond_noise"] == 0 and v["noise"] >= 0
     assert data["categories"]["code_edit"]["srsd"]["tokens"] == 24
-    assert data["machine"]["cores"] >= 1 and len(data["prompts"]) == 3
+    assert data["machine"]["cores"] >= 1 and len(data["prompts"]) == 4
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     assert "<!-- bench:test -->" in doc.read_text()
 

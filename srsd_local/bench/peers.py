@@ -3,6 +3,11 @@ way the engine is timed (README.md, "Benchmarks"; results in docs/benchmarks.md)
 
 - `lcp-pld`: llama-cpp-python's own prompt lookup decoding
   (`Llama(..., draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10))`), in this process.
+- `c-loop`: plain decoding with the whole generation in one C call on its own context of the
+  same model, in this process (srsd_local/llama/cloop.py): the next token is the row's
+  argmax, or at a temperature the engine's draw with the same seed, so its tokens are `ar`'s;
+  what `ar` takes longer is the engine's per-token overhead. It decodes without output
+  constraints (a JSON schema is ignored: a decode-speed baseline).
 - `llama-server`, `llama-server-spec`, `llama-server-ngram-simple`: llama.cpp's HTTP server
   built from the llama.cpp vendored in the pinned llama-cpp-python, the llama.cpp commit the
   engine runs (scripts/build_llama_server.sh builds and caches it): plain decoding, its default
@@ -41,7 +46,7 @@ SERVER_MODES: dict[str, tuple[str, ...]] = {
     "llama-server-spec": ("--spec-default",),
     "llama-server-ngram-simple": ("--spec-type", "ngram-simple"),
 }
-PEER_MODES = ("lcp-pld", *SERVER_MODES)
+PEER_MODES = ("lcp-pld", "c-loop", *SERVER_MODES)
 BUILD_SCRIPT = "scripts/build_llama_server.sh"
 LLAMA_CPP_PYTHON_PIN = "0.3.36"  # the version pyproject.toml pins (the build script's default)
 
@@ -162,6 +167,37 @@ class LcpPeer:
 
     def close(self) -> None:
         self.llm.close()
+
+
+# -- c-loop -------------------------------------------------------------------------------------
+class CLoopPeer:
+    """Plain decoding in one C call per generation (see cloop.py), on its own context with
+    the engine's model, context size, batch sizes, threads and GPU layers."""
+
+    def __init__(self, s: PeerSettings) -> None:
+        from ..config import SRSDConfig  # noqa: PLC0415
+        from ..llama.backend import Backend  # noqa: PLC0415
+        from ..llama.cloop import DecodeLoop  # noqa: PLC0415
+
+        cfg = SRSDConfig(n_ctx=s.n_ctx, n_batch=s.n_batch, n_ubatch=s.n_ubatch,
+                         n_threads=s.threads, n_gpu_layers=s.n_gpu_layers,
+                         sample_in_graph=False)
+        self.backend = Backend(s.model_path, cfg)
+        try:
+            self.loop = DecodeLoop(self.backend)
+        except BaseException:
+            self.backend.close()
+            raise
+
+    def run(self, p: BenchPrompt) -> PeerResult:
+        tokens = self.backend.tokenize(p.prompt)
+        ids, seconds, prompt_seconds = self.loop.generate(tokens, p.max_tokens,
+                                                          p.temperature, p.seed)
+        return PeerResult(len(ids), seconds, ids, prompt_tokens=len(tokens),
+                          prompt_seconds=prompt_seconds)
+
+    def close(self) -> None:
+        self.backend.close()
 
 
 # -- llama-server -------------------------------------------------------------------------------
@@ -332,6 +368,7 @@ def start_peers(modes: Sequence[str], settings: PeerSettings, llama_server: str 
                 warn: Callable[[str], None] = _warn,
                 make_server: Callable[..., Peer] = LlamaServerPeer,
                 make_lcp: Callable[[PeerSettings], Peer] = LcpPeer,
+                make_loop: Callable[[PeerSettings], Peer] = CLoopPeer,
                 ) -> tuple[list[str], dict[str, Peer]]:
     """Start a peer for each peer mode in `modes`. Returns the modes that will run (server
     modes dropped, with a message, when the binary is missing) and the peers by mode; on an
@@ -350,6 +387,8 @@ def start_peers(modes: Sequence[str], settings: PeerSettings, llama_server: str 
         for m in modes:
             if m == "lcp-pld":
                 peers[m] = make_lcp(settings)
+            elif m == "c-loop":
+                peers[m] = make_loop(settings)
             elif m in SERVER_MODES:
                 peers[m] = make_server(m, binary, settings)
     except BaseException:

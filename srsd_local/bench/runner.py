@@ -198,7 +198,7 @@ def main_concurrency(args: Any, engine_factory: Callable[[], Any], levels: list[
     engine = engine_factory()
     peers: dict[str, Peer] = {}
     try:
-        modes, peers = start_peers([m for m in modes if m != "lcp-pld"],
+        modes, peers = start_peers([m for m in modes if m not in ("lcp-pld", "c-loop")],
                                    PeerSettings.of(engine), getattr(args, "llama_server", None))
         data = run_concurrency(engine, prompts, levels, modes, peers)
         data["machine"] = machine_info(engine)
