@@ -271,6 +271,12 @@ class Engine:
         with self._lock:
             self.speculator.forget_outputs()
 
+    @property
+    def sample_threads(self) -> int:
+        """Threads a sampled row is drawn on: the decode's, where its CPU backend runs on
+        OpenMP (the compiled draw shares that pool, idle while a row is sampled); else one."""
+        return self.config.threads if getattr(self.backend, "cpu_openmp", False) else 1
+
     def reset(self) -> None:
         """Forget every slot's context (KV cache and index): the next call prefills from
         scratch. Not while requests are running."""
@@ -315,7 +321,7 @@ class Engine:
         stops = check_stop(stop)
         tokens = self._check_prompt(prompt)
         return _Job(tokens, max_tokens, params, req, stops, logprobs,
-                    self.constraint(grammar, json_schema), self.config.threads)
+                    self.constraint(grammar, json_schema), self.sample_threads)
 
     def constraint(self, grammar: str | None = None, json_schema: Any = None
                    ) -> GrammarState | None:

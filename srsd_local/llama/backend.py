@@ -18,7 +18,7 @@ import numpy as np
 
 from ..config import SRSDConfig, environment
 from .capture import CompiledCapture, HiddenCapture, make_capture, resolve_layer
-from .cpubufs import use_extra_buffer_types
+from .cpubufs import cpu_features, use_extra_buffer_types
 from .graph_argmax import make_sampler
 from .replay import PassReplay
 
@@ -149,6 +149,10 @@ class Backend:
         mparams.progress_callback = _NO_PROGRESS(L)
         # no repacked weights where llama.cpp's kernels for them crash (see cpubufs.py)
         self.extra_bufts = use_extra_buffer_types(L._lib)
+        # whether ggml's CPU backend decodes on OpenMP's threads: then the sampler's draws
+        # share that pool (idle between passes); else they would add threads that spin while
+        # the backend's own threads decode
+        self.cpu_openmp = "OPENMP" in cpu_features(L._lib)
         mparams.use_extra_bufts = self.extra_bufts
         # which device holds which layer ({device, description, where, layers}), when known
         self.placement: list[dict[str, str]] | None = None

@@ -1,4 +1,6 @@
-"""Whether llama.cpp may lay weights out for the CPU's extra kernels ("extra buffer types").
+"""Whether llama.cpp may lay weights out for the CPU's extra kernels ("extra buffer types"),
+and what its CPU backend was built with (`cpu_features`: OpenMP, whose thread pool the
+sampler's compiled draw shares).
 
 ggml's CPU backend can repack weights for faster matrix kernels: `CPU_REPACK` (AVX2/AVX-512,
 ARM) and, when built with `-march=native` on a CPU with AMX (Intel Sapphire Rapids and
@@ -40,26 +42,61 @@ def _cpu_library(llama_lib: ctypes.CDLL) -> ctypes.CDLL | None:
     return None
 
 
-def extra_buffer_types(llama_lib: ctypes.CDLL) -> list[str]:
-    """The names of the extra buffer types ggml's CPU backend registers on this machine (what
-    llama.cpp may repack weights into); [] where they cannot be listed."""
+def _cpu_proc(llama_lib: ctypes.CDLL, name: bytes) -> tuple[ctypes.CDLL, int, int] | None:
+    """(ggml's CPU backend library, its registry, the address of the registry's function
+    `name`), or None where any of them cannot be had."""
     lib = _cpu_library(llama_lib)
     if lib is None:
-        return []
+        return None
     try:
         reg_fn = lib.ggml_backend_cpu_reg
         proc = lib.ggml_backend_reg_get_proc_address
+    except AttributeError:
+        return None
+    reg_fn.restype = ctypes.c_void_p
+    proc.restype, proc.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_char_p]
+    reg = reg_fn()
+    addr = proc(reg, name) if reg else None
+    return (lib, reg, addr) if addr else None
+
+
+class _Feature(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("value", ctypes.c_char_p)]
+
+
+@lru_cache(maxsize=4)
+def cpu_features(llama_lib: ctypes.CDLL) -> dict[str, str]:
+    """What ggml's CPU backend was built with (its "features": "AVX2": "1", "OPENMP": "1",
+    ...); {} where they cannot be read."""
+    got = _cpu_proc(llama_lib, b"ggml_backend_get_features")
+    if got is None:
+        return {}
+    _, reg, addr = got
+    feats = ctypes.CFUNCTYPE(ctypes.POINTER(_Feature), ctypes.c_void_p)(addr)(reg)
+    out: dict[str, str] = {}
+    i = 0
+    while feats and feats[i].name:
+        out[feats[i].name.decode(errors="replace")] = (feats[i].value or b"").decode(
+            errors="replace")
+        i += 1
+    return out
+
+
+def extra_buffer_types(llama_lib: ctypes.CDLL) -> list[str]:
+    """The names of the extra buffer types ggml's CPU backend registers on this machine (what
+    llama.cpp may repack weights into); [] where they cannot be listed."""
+    got = _cpu_proc(llama_lib, b"ggml_backend_dev_get_extra_bufts")
+    if got is None:
+        return []
+    lib, reg, addr = got
+    try:
         dev_get = lib.ggml_backend_reg_dev_get
         name_fn = lib.ggml_backend_buft_name
     except AttributeError:
         return []
-    reg_fn.restype = ctypes.c_void_p
-    proc.restype, proc.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_char_p]
     dev_get.restype, dev_get.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t]
     name_fn.restype, name_fn.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
-    reg = reg_fn()
-    addr = proc(reg, b"ggml_backend_dev_get_extra_bufts") if reg else None
-    dev = dev_get(reg, 0) if reg else None
+    dev = dev_get(reg, 0)
     if not addr or not dev:
         return []
     get = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(addr)
