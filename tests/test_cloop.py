@@ -1,4 +1,4 @@
-"""The minimal C decode loop (llama/cloop.py, the `c-loop` bench peer): its argmax is
+"""The minimal C decode loop (bench/cloop.py, the `c-loop` bench peer): its argmax is
 numpy's, and on the real model it decodes exactly the engine's `ar` tokens, greedy and at a
 temperature with the same seed."""
 
@@ -9,9 +9,9 @@ import ctypes
 import numpy as np
 import pytest
 
+from srsd_local.bench import cloop
 from srsd_local.bench.peers import PEER_MODES, start_peers
 from srsd_local.bench.peers import PeerSettings as Settings
-from srsd_local.llama import cloop
 
 
 def _lib():

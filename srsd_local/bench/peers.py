@@ -4,7 +4,7 @@ way the engine is timed (README.md, "Benchmarks"; results in docs/benchmarks.md)
 - `lcp-pld`: llama-cpp-python's own prompt lookup decoding
   (`Llama(..., draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10))`), in this process.
 - `c-loop`: plain decoding with the whole generation in one C call on its own context of the
-  same model, in this process (srsd_local/llama/cloop.py): the next token is the row's
+  same model, in this process (srsd_local/bench/cloop.py): the next token is the row's
   argmax, or at a temperature the engine's draw with the same seed, so its tokens are `ar`'s;
   what `ar` takes longer is the engine's per-token overhead. It decodes without output
   constraints (a JSON schema is ignored: a decode-speed baseline).
@@ -177,7 +177,7 @@ class CLoopPeer:
     def __init__(self, s: PeerSettings) -> None:
         from ..config import SRSDConfig  # noqa: PLC0415
         from ..llama.backend import Backend  # noqa: PLC0415
-        from ..llama.cloop import DecodeLoop  # noqa: PLC0415
+        from .cloop import DecodeLoop  # noqa: PLC0415
 
         cfg = SRSDConfig(n_ctx=s.n_ctx, n_batch=s.n_batch, n_ubatch=s.n_ubatch,
                          n_threads=s.threads, n_gpu_layers=s.n_gpu_layers,

@@ -31,7 +31,7 @@ def library() -> ctypes.CDLL | None:
     """The compiled loop, or None (no compiler, or a llama_batch it does not mirror)."""
     from llama_cpp import llama_cpp as L  # noqa: PLC0415
 
-    src = resources.files("srsd_local.llama").joinpath("_cloop.c").read_bytes()
+    src = resources.files("srsd_local.bench").joinpath("_cloop.c").read_bytes()
     lib = store.load_compiled("cloop", src, ((FLAGS + NATIVE, True), (FLAGS, False)))
     if lib is None:
         return None
