@@ -68,7 +68,6 @@ class DecodeLoop:
         L = backend._L
         self._fns = [_address(L._lib.llama_decode), _address(L._lib.llama_get_logits_ith),
                      _address(L._lib.llama_vocab_is_eog)]
-        self._sums = np.zeros(2 * (backend.n_vocab // kernels.BLOCK + 1))
 
     def generate(self, tokens: list[int], max_tokens: int, temperature: float = 0.0,
                  seed: int | None = None) -> tuple[list[int], float, float]:
@@ -80,17 +79,14 @@ class DecodeLoop:
         t0 = time.perf_counter()
         be.clear()
         row = np.ascontiguousarray(be.decode(tokens, want_logits="last").logits[-1])
-        u = None
-        sample, inv_t = None, 0.0
-        if temperature > 0.0:
-            kern = kernels.temperature_kernel(temperature, be.config.threads)
+        u = kern = None
+        if temperature > 0.0:  # the engine's draw, on the threads the engine draws on
+            kern = kernels.temperature_kernel(temperature, be.sample_threads)
             if kern is None:
                 raise RuntimeError("sampling in the C decode loop needs the compiled "
                                    "temperature kernel (a C compiler)")
             u = np.random.default_rng(seed).random(max(1, max_tokens))
             first = kern(row, float(u[0]))
-            sample = _address(kernels.library().srsd_sample_temperature)
-            inv_t = 1.0 / temperature
         else:
             first = int(lib.srsd_loop_argmax(row.ctypes.data, row.size))
         prompt_seconds = time.perf_counter() - t0
@@ -99,10 +95,13 @@ class DecodeLoop:
         out = np.zeros(max_tokens, dtype=np.int32)
         rc = ctypes.c_int32(0)
         t1 = time.perf_counter()
-        n = lib.srsd_loop(*self._fns, sample, be.ctx, be.vocab, first, be.n_vocab,
-                          max_tokens, None if u is None else u.ctypes.data, inv_t,
-                          be.config.threads, self._sums.ctypes.data, out.ctypes.data,
-                          ctypes.addressof(rc))
+        nv = be.n_vocab
+        n = lib.srsd_loop(*self._fns, None if kern is None else _address(kern.fn), be.ctx,
+                          be.vocab, first, nv, max_tokens, None if u is None else u.ctypes.data,
+                          0.0 if kern is None else kern.inv_t,
+                          1 if kern is None else kern.threads_for(nv),
+                          None if kern is None else kern.scratch(nv).ctypes.data,
+                          out.ctypes.data, ctypes.addressof(rc))
         seconds = time.perf_counter() - t1
         if rc.value != 0:
             raise RuntimeError(f"llama_decode failed with code {rc.value} in the C decode "

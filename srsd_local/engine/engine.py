@@ -273,9 +273,8 @@ class Engine:
 
     @property
     def sample_threads(self) -> int:
-        """Threads a sampled row is drawn on: the decode's, where its CPU backend runs on
-        OpenMP (the compiled draw shares that pool, idle while a row is sampled); else one."""
-        return self.config.threads if getattr(self.backend, "cpu_openmp", False) else 1
+        """Threads a sampled row is drawn on (Backend.sample_threads)."""
+        return getattr(self.backend, "sample_threads", 1)
 
     def reset(self) -> None:
         """Forget every slot's context (KV cache and index): the next call prefills from

@@ -47,32 +47,30 @@ def _llama():
 
 
 _LOG_CB = None
-_GET_LOGITS = None
+_CTX_FNS: dict[str, object] = {}
+
+
+def _ctx_fn(L, name: str, restype):
+    """llama.cpp's function `name` of a context alone, bound once through a plain ctypes
+    prototype (no pointer object or cast per call: tens of microseconds per step on caches a
+    forward pass has just flushed)."""
+    fn = _CTX_FNS.get(name)
+    if fn is None:
+        fn = _CTX_FNS[name] = ctypes.CFUNCTYPE(restype, ctypes.c_void_p)((name, L._lib))
+    return fn
 
 
 def _get_logits_address(L, ctx) -> int | None:
-    """llama_get_logits as a plain address: bound once with an integer result, it spares
-    each step a pointer object and its cast (tens of microseconds on caches a forward pass
-    has just flushed)."""
-    global _GET_LOGITS
-    if _GET_LOGITS is None:
-        _GET_LOGITS = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(
-            ("llama_get_logits", L._lib))
-    return _GET_LOGITS(ctx)
-
-
-_SYNC = None
+    """llama_get_logits as a plain address."""
+    return _ctx_fn(L, "llama_get_logits", ctypes.c_void_p)(ctx)
 
 
 def _synchronize(L, ctx) -> None:
-    """llama_synchronize, bound once: llama_decode returns once the forward pass is queued,
-    and with GPU layers the pass (after the last captured tensor, at least) is still running
-    then; waiting here keeps it inside the timed decode (the cost model's step times, the
-    host time per step) instead of in the first read of its results."""
-    global _SYNC
-    if _SYNC is None:
-        _SYNC = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(("llama_synchronize", L._lib))
-    _SYNC(ctx)
+    """llama_synchronize: llama_decode returns once the forward pass is queued, and with GPU
+    layers the pass (after the last captured tensor, at least) is still running then;
+    waiting here keeps it inside the timed decode (the cost model's step times, the host
+    time per step) instead of in the first read of its results."""
+    _ctx_fn(L, "llama_synchronize", None)(ctx)
 
 
 def _silence_llama_log(L) -> None:
@@ -241,6 +239,12 @@ class Backend:
         except BaseException:
             self.close()
             raise
+
+    @property
+    def sample_threads(self) -> int:
+        """Threads a sampled row is drawn on: the decode's, where the CPU backend runs on
+        OpenMP (the compiled draw shares that pool, idle while a row is sampled); else one."""
+        return self.config.threads if self.cpu_openmp else 1
 
     def _output_on_cpu(self) -> bool:
         """Whether llama.cpp computes the logits on this machine's CPU: no GPU offload, or

@@ -97,7 +97,7 @@ def extra_buffer_types(llama_lib: ctypes.CDLL) -> list[str]:
     dev_get.restype, dev_get.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t]
     name_fn.restype, name_fn.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
     dev = dev_get(reg, 0)
-    if not addr or not dev:
+    if not dev:
         return []
     get = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(addr)
     bufts = get(dev)

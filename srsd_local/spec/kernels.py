@@ -66,19 +66,27 @@ class TemperatureKernel:
     """Draws from softmax(logits / temperature) in one compiled call per row."""
 
     def __init__(self, lib: ctypes.CDLL, temperature: float, threads: int = 1) -> None:
-        self._fn = lib.srsd_sample_temperature
-        self._inv_t = 1.0 / max(temperature, 1e-6)
+        self.fn = lib.srsd_sample_temperature
+        self.inv_t = 1.0 / max(temperature, 1e-6)
         self._sums = np.zeros(0)
         self.threads = max(1, int(threads))
+
+    def scratch(self, n: int) -> np.ndarray:
+        """The draw's scratch for rows of n entries (kept between draws)."""
+        if len(self._sums) < 2 * (n // BLOCK + 1):
+            self._sums = np.zeros(2 * (n // BLOCK + 1))
+        return self._sums
+
+    def threads_for(self, n: int) -> int:
+        """Threads a row of n entries is drawn on."""
+        return self.threads if n >= MIN_THREADED else 1
 
     def __call__(self, logits: np.ndarray, u: float) -> int:
         x = logits if (logits.dtype == np.float32 and logits.flags.c_contiguous) else \
             np.ascontiguousarray(logits, dtype=np.float32)
         n = x.size
-        if len(self._sums) < 2 * (n // BLOCK + 1):
-            self._sums = np.zeros(2 * (n // BLOCK + 1))
-        return int(self._fn(x.ctypes.data, n, self._inv_t, u, self._sums.ctypes.data,
-                            self.threads if n >= MIN_THREADED else 1))
+        return int(self.fn(x.ctypes.data, n, self.inv_t, u, self.scratch(n).ctypes.data,
+                           self.threads_for(n)))
 
 
 def temperature_kernel(temperature: float, threads: int = 1) -> TemperatureKernel | None:
