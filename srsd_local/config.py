@@ -179,10 +179,11 @@ class SRSDConfig:
     adaptive: bool = True
     # greedy trees verified with an in-graph greedy sampler (llama/graph_argmax.py): the
     # argmax of each tree row is taken inside llama.cpp's graph and only token ids come
-    # back, instead of every row's logits being copied out for a numpy argmax. None (auto):
-    # on where GPU layers are asked for (n_gpu_layers != 0; each logits row would be a 1 MB
-    # copy off the device) and the sequence ids allow it, off on a CPU (no faster there:
-    # docs/benchmarks.md)
+    # back, instead of every row's logits being copied out for an argmax on the host.
+    # True: every greedy tree; False: none. None (auto), where the sequence ids allow it:
+    # every greedy tree where the logits are computed off the CPU (each row copied out would
+    # be a 1 MB copy off the device), else the trees whose walk is expected to read enough
+    # rows to pay for an in-graph argmax of every row (engine.GRAPH_ROW_COST)
     sample_in_graph: bool | None = None
     # n-gram drafter (in srsd/hybrid trees, and as mode "pld")
     ngram_max: int = 4
@@ -266,13 +267,11 @@ class SRSDConfig:
 
     @property
     def graph_sampling(self) -> bool:
-        """Whether greedy trees are to be sampled in llama.cpp's graph: `sample_in_graph`,
-        or for None, with GPU layers asked for and sequence ids to spare (the backend still
-        leaves it off where the logits turn out to be computed on the CPU)."""
+        """Whether greedy trees may be sampled in llama.cpp's graph: `sample_in_graph`, or
+        for None, where there are sequence ids to spare (which trees are: Backend.graph_always
+        and engine.GRAPH_ROW_COST)."""
         if self.sample_in_graph is not None:
             return self.sample_in_graph
-        if self.n_gpu_layers == 0:
-            return False
         need = self.graph_branch_base(self.slots)
         return need <= 256 and (not self.n_seq_max or need <= self.n_seq_max)
 

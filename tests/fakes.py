@@ -124,6 +124,7 @@ class FakeBackend:
 
     # sequence-explicit KV operations (the engine's slots)
     graph_seqs: frozenset = frozenset()  # no in-graph sampling here
+    graph_always = False
     _branches = staticmethod(Backend._branch_ids)
 
     def seq_fork(self, base: int, n_branches: int, first: int | None = None) -> None:

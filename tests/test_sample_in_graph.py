@@ -1,7 +1,8 @@
 """sample_in_graph on the real default model: greedy trees verified with llama.cpp's in-graph
 greedy sampler (only token ids come back) give plain decoding's tokens at every position, and
 requests that need the logits (sampled, constrained, log-probabilities) still get them, alone
-and sharing a batch with in-graph trees."""
+and sharing a batch with in-graph trees; by default on a CPU, only the trees whose walk is
+expected to read enough rows are sampled in the graph."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ pytestmark = pytest.mark.model
 
 EDIT = load_workload("code_edit")[0]
 JSON = load_workload("json")[0]
+GEN = load_workload("humaneval")[0]
 
 
 @pytest.fixture(scope="module")
@@ -31,16 +33,17 @@ def test_config_reserves_a_block_of_sampled_branch_ids_per_slot():
     cfg = SRSDConfig(parallel=2, max_branches=4, sample_in_graph=True)
     assert cfg.seq_max == 2 * 5 + 2 * 4
     assert [cfg.graph_branch_base(i) for i in range(2)] == [10, 14]
-    assert SRSDConfig(parallel=2, max_branches=4).seq_max == 10
+    assert SRSDConfig(parallel=2, max_branches=4, sample_in_graph=False).seq_max == 10
     with pytest.raises(ValueError, match="2 \\* max_branches \\+ 1"):
         SRSDConfig(parallel=4, max_branches=40, sample_in_graph=True)
     with pytest.raises(ValueError, match="sample_in_graph"):
         SRSDConfig(sample_in_graph="yes")
-    # auto: on with GPU layers where the ids allow it, else off (never an error)
-    assert SRSDConfig(n_gpu_layers=-1, parallel=2, max_branches=4).seq_max == 18
-    assert not SRSDConfig(n_gpu_layers=-1, parallel=4, max_branches=40).graph_sampling
-    assert SRSDConfig(n_gpu_layers=-1, parallel=4, max_branches=40).seq_max == 4 * 41
-    assert not SRSDConfig(parallel=2, max_branches=4).graph_sampling
+    # auto: on where the ids allow it, with GPU layers or without (which trees are sampled
+    # in the graph then depends on where the logits are computed), else off (never an error)
+    for gpu in (0, -1):
+        assert SRSDConfig(n_gpu_layers=gpu, parallel=2, max_branches=4).seq_max == 18
+        assert not SRSDConfig(n_gpu_layers=gpu, parallel=4, max_branches=40).graph_sampling
+        assert SRSDConfig(n_gpu_layers=gpu, parallel=4, max_branches=40).seq_max == 4 * 41
 
 
 def test_greedy_trees_sampled_in_graph_equal_plain_decoding(graph_engine):
@@ -103,7 +106,8 @@ def test_cli_flag_reaches_the_engine_config():
         assert SRSDConfig(**auto).sample_in_graph is None, cmd
         gpu = _engine_config(build_parser().parse_args([*cmd, "--n-gpu-layers", "-1"]))
         assert SRSDConfig(**gpu).graph_sampling, cmd
-        assert not SRSDConfig(**auto).graph_sampling, cmd
+        assert SRSDConfig(**auto).graph_sampling, cmd
+        assert not SRSDConfig(**off).graph_sampling, cmd
 
 
 def test_trees_sampled_in_graph_replay_from_their_recording(graph_engine, monkeypatch):
@@ -190,3 +194,43 @@ def test_in_graph_tokens_are_numpys_argmax_and_only_llamas_sampler_copies_rows(
             assert taken == (len(toks) if kind == "srsd-threads" else 0)
     finally:
         be.close()
+
+
+def test_on_a_cpu_by_default_only_trees_expected_to_be_walked_far_are_sampled_in_graph(
+        model_path, monkeypatch):
+    """Auto on a CPU: the graph samplers are attached, but a tree is sampled in the graph only
+    where the walk is expected to read enough of its rows (graph_pays); the others copy their
+    rows out. Both kinds appear (an edit's long copied chains, new code's short trees), each
+    pass gets what its walk needs, and the outputs are plain decoding's."""
+    from srsd_local.engine import Engine
+    from srsd_local.engine import engine as engine_mod
+
+    eng = Engine.load(model_path, n_ctx=4096, learned=False, sample_in_graph=None)
+    try:
+        be = eng.backend
+        assert be.graph_seqs and not be.graph_always
+        choices: list[tuple[bool, float, int]] = []
+        pays = engine_mod.graph_pays
+
+        def recording(plan):
+            got = pays(plan)
+            choices.append((got, plan.expected_accepted, len(plan.tree) + plan.pad))
+            return got
+
+        monkeypatch.setattr(engine_mod, "graph_pays", recording)
+        rows0 = be.graph_rows
+        outs = [(p.prompt, eng.generate(p.prompt, max_tokens=128, mode="srsd"))
+                for p in (EDIT, GEN)]
+        assert sum(o.stats.drafts for _, o in outs) == len(choices) > 0
+        in_graph = [c for c in choices if c[0]]
+        copied = [c for c in choices if not c[0]]
+        assert in_graph and copied, choices
+        # the rule: expected rows read (root + accepted) against GRAPH_ROW_COST per row
+        for got, expected, rows in choices:
+            assert got == (1.0 + expected >= engine_mod.GRAPH_ROW_COST * rows)
+        # every row of the in-graph trees came back as a token, none of the others did
+        assert be.graph_rows - rows0 == sum(rows for _, _, rows in in_graph)
+        for prompt, out in outs:
+            assert eng.verify_output(prompt, out.token_ids).ok
+    finally:
+        eng.close()

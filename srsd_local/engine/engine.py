@@ -48,6 +48,7 @@ from ..spec.acceptance import AcceptanceModel
 from ..spec.cost import CostModel
 from ..spec.draft import GRAMMAR, DraftInput
 from ..spec.index import VectorIndex
+from ..spec.planner import Plan
 from ..spec.sampling import (
     MAX_TOP_LOGPROBS,
     ConstrainedSampler,
@@ -90,6 +91,11 @@ CHUNK_MIN, CHUNK_MAX = 16, 512  # automatic prompt chunks while other requests d
 FORCED_CHARS = 64  # characters a grammar may force per step (drafted, then verified)
 MAX_CONSTRAINTS = 16  # compiled grammars kept per engine
 FORCED_MEMO = 1024  # tokenizations of grammar-forced text kept per engine
+# with the logits computed on the CPU: an in-graph argmax of a tree row (on the decode's
+# threads, right after the output layer) against the walk's read of a row copied out, both
+# per row. Measured on a 16-row tree of the default model (scripts/logits_cost.py): 0.51 ms
+# more in llama_decode for all 16 rows in the graph, 1.72 ms to read all 16 copied out
+GRAPH_ROW_COST = 0.3
 
 
 class Engine:
@@ -713,8 +719,9 @@ class Engine:
         in_graph = (bool(be.graph_seqs) and type(sampler) is Sampler and sampler.params.greedy
                     and n_lp is None)
         # its trees' branches then live on the slot's sampled sequence ids
-        first = (self.config.graph_branch_base(slot.base // (self.config.max_branches + 1))
-                 if in_graph else slot.base)
+        graph_first = (self.config.graph_branch_base(slot.base // (self.config.max_branches + 1))
+                       if in_graph else slot.base)
+        graph_always = in_graph and be.graph_always
 
         # 1. prefill
         t0 = time.perf_counter()
@@ -779,12 +786,14 @@ class Engine:
                 yield w
                 path, y, path_tokens = [0], sampler(w.logits[0]), [x]
             else:
+                graph = graph_always or (in_graph and graph_pays(plan))
+                first = graph_first if graph else slot.base
                 lay = plan.tree.layout()
                 be.seq_fork(slot.base, lay.n_branches, first)
                 try:
                     w = _tree_work(lay, n, first, plan.pad, req.uses_index)
                     yield w
-                    if in_graph:
+                    if graph:
                         path, y = walk_tree(plan.tree, _graph_rows(w), int)
                     else:
                         path, y = walk_tree(plan.tree, w.logits.__getitem__, sampler)
@@ -959,6 +968,14 @@ def _tree_work(lay: TreeLayout, n: int, first: int, pad: int, capture: bool) -> 
     return Work(np.concatenate([lay.tokens, np.full(pad, lay.tokens[0], np.int32)]),
                 np.concatenate([n + lay.depths, np.arange(after, after + pad, dtype=np.int32)]),
                 ids + [[first]] * pad, np.ones(len(lay.tokens) + pad, np.int8), capture)
+
+
+def graph_pays(plan: Plan) -> bool:
+    """Whether a greedy tree whose logits are computed on the CPU is cheaper to verify with
+    the argmax of every row taken in llama.cpp's graph than with the rows copied out and the
+    walk reading those it visits: the walk reads the root's row and one per accepted node,
+    the graph takes every row of the pass (padding included) at GRAPH_ROW_COST of a read."""
+    return 1.0 + plan.expected_accepted >= GRAPH_ROW_COST * (len(plan.tree) + plan.pad)
 
 
 def _graph_rows(w: Work) -> Callable[[int], int]:

@@ -171,6 +171,11 @@ class Backend:
         self.graph_seqs: frozenset[int] = frozenset()  # sequences sampled in llama.cpp's graph
         self.graph_rows = 0  # output rows whose token llama.cpp's graph took, ever
         self.graph_sampler = ""  # which sampler takes them (_attach_greedy), "" for none
+        # whether every greedy tree is to be sampled in the graph (asked for, or the logits
+        # are computed off the CPU: each row copied out would cross the bus); else (auto,
+        # logits on the CPU) a tree is where its walk is expected to read enough rows
+        # (engine: GRAPH_ROW_COST)
+        self.graph_always = False
         self.capture: HiddenCapture | CompiledCapture | None = None
         try:
             self.vocab = L.llama_model_get_vocab(self.model)
@@ -191,9 +196,8 @@ class Backend:
             cparams.kv_unified = True
             cparams.swa_full = True
             cparams.no_perf = True
-            # in-graph sampling: asked for, or (auto) where the logits are computed off the CPU
-            graph = config.graph_sampling and (config.sample_in_graph is not None
-                                               or not self._output_on_cpu())
+            # in-graph sampling: asked for, or (auto) where the sequence ids allow it
+            graph = config.graph_sampling
             if graph:  # output rows one sampled sequence may have in a batch: a tree's root
                 # and its nodes on one branch
                 cparams.n_outputs_max_per_seq = config.max_nodes + 1
@@ -209,6 +213,8 @@ class Backend:
             self.n_batch = L.llama_n_batch(self.ctx)  # llama.cpp clamps it to n_ctx
             self.mem = L.llama_get_memory(self.ctx)
             if graph:
+                self.graph_always = (config.sample_in_graph is True
+                                     or not self._output_on_cpu())
                 self._attach_greedy([config.graph_branch_base(i) + b
                                      for i in range(config.slots)
                                      for b in range(config.max_branches)],
@@ -406,7 +412,7 @@ class Backend:
             self._decode_batch(e - s)
             n_out = int(np.count_nonzero(flags[s:e]))
             raw = True
-            if n_out and self.graph_seqs and ids is not None:
+            if n_out and self.graph_seqs and ids is not None and self._graph_batch(ids):
                 raw, got = self._sampled(e - s, ids)
                 sampled_parts.append(got)
             if n_out and raw:  # a view of llama.cpp's buffer: the next call overwrites it
@@ -429,6 +435,12 @@ class Backend:
             sampled = np.concatenate(sampled_parts) if len(sampled_parts) > 1 else \
                 sampled_parts[0]
         return DecodeOutput(logits=logits, hidden=hidden, sampled=sampled)
+
+    def _graph_batch(self, seq_ids: Sequence[Sequence[int]]) -> bool:
+        """Whether a row of the batch filled last (`seq_ids`: its rows') is sampled in
+        llama.cpp's graph (its first sequence has a sampler)."""
+        graph, flags = self.graph_seqs, self._b_logits
+        return any(flags[i] and ids[0] in graph for i, ids in enumerate(seq_ids))
 
     def _sampled(self, m: int, seq_ids: Sequence[Sequence[int]]) -> tuple[bool, np.ndarray]:
         """After a llama_decode call of the batch's first m rows (`seq_ids`: theirs): whether
