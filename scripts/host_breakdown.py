@@ -2,7 +2,7 @@
 
     python scripts/host_breakdown.py [--workload code_edit,text_edit,humaneval,code_continue]
         [--per-category 3] [--repeat 2] [--mode srsd] [--n-ctx 4096] [--replay]
-        [--sample-in-graph]
+        [--sample-in-graph | --no-sample-in-graph]
 
 Each prompt is generated `--repeat` times from the same learned state (with the prompt's
 own settings: max_tokens, temperature and seed, JSON schema); the named functions of the
@@ -17,8 +17,10 @@ tree step as the engine's own stats measure it, for comparison.
 With `--replay`, every generation is recorded once and the timed runs are replays (each
 llama_decode call served from the recording, see srsd_local/engine/replay.py): the same code
 on caches no forward pass has flushed, as between a GPU's steps. `--sample-in-graph` runs the
-engine with llama.cpp's in-graph greedy sampler (the configuration meant for GPUs: a greedy
-tree's rows come back as token ids, so the walk reads no logits rows).
+engine with llama.cpp's in-graph greedy sampler for every greedy tree (the configuration
+meant for GPUs: a greedy tree's rows come back as token ids, so the walk reads no logits
+rows), `--no-sample-in-graph` for none; by default the engine decides per tree where the
+logits are computed on the CPU. Rows the walk took from the graph are counted apart.
 
 A dev tool for finding what to make cheaper; `srsd-local bench` measures the host time per
 step that the project's budget is about.
@@ -30,7 +32,6 @@ import argparse
 import copy
 import functools
 import importlib
-import statistics
 import time
 from collections import Counter, defaultdict
 
@@ -97,19 +98,26 @@ def main() -> None:
     ap.add_argument("--mode", default="srsd")
     ap.add_argument("--n-ctx", type=int, default=4096)
     ap.add_argument("--replay", action="store_true")
-    ap.add_argument("--sample-in-graph", action="store_true")
+    ap.add_argument("--sample-in-graph", dest="sample_in_graph", action="store_true",
+                    default=None)
+    ap.add_argument("--no-sample-in-graph", dest="sample_in_graph", action="store_false")
     args = ap.parse_args()
 
     totals: dict[str, float] = defaultdict(float)
     calls: Counter = Counter()
-    rows_read: list[int] = []
+    # per kind of walk (rows copied out / tokens from the graph): rows visited, seconds
+    walks: dict[str, list[float]] = {"copied": [0, 0, 0.0], "graph": [0, 0, 0.0]}
     install(totals, calls)
     from srsd_local.engine import engine as engine_mod  # noqa: PLC0415 (wrapped above)
     walk = engine_mod.walk_tree
 
     def counting_walk(tree, row, sample):
+        t0 = time.perf_counter()
         path, y = walk(tree, row, sample)
-        rows_read.append(len(path))
+        w = walks["graph" if sample is int else "copied"]  # (the engine's graph walk)
+        w[0] += 1
+        w[1] += len(path)
+        w[2] += time.perf_counter() - t0
         return path, y
     engine_mod.walk_tree = counting_walk
 
@@ -140,12 +148,14 @@ def main() -> None:
         if not timed:  # the recording run: its times are not counted
             totals.clear()
             calls.clear()
-            rows_read.clear()
+            for w in walks.values():
+                w[:] = [0, 0, 0.0]
     eng.close()
     if not tree_steps:
         raise SystemExit("no step verified a tree: nothing to break down")
     kind = ("replayed" if args.replay else "real") + (
-        ", in-graph sampling" if args.sample_in_graph else "")
+        {True: ", in-graph sampling", False: ", rows copied out"}.get(args.sample_in_graph,
+                                                                      ", engine's choice"))
     print(f"{len(prompts)} prompts x {args.repeat}, mode {args.mode}, {kind} runs: "
           f"{tree_steps} steps verified a tree, host time per such step "
           f"{1e3 * host_tree / tree_steps:.3f} ms (the engine's stats)\n")
@@ -156,10 +166,10 @@ def main() -> None:
         if n:
             print(f"| {label} | {n} | {1e3 * totals[label] / n:.3f} | "
                   f"{1e3 * totals[label]:.1f} |")
-    walk_label = "walk (row reads)"
-    if rows_read and calls[walk_label]:
-        print(f"\nwalk: {statistics.mean(rows_read):.1f} rows read per tree, "
-              f"{1e6 * totals[walk_label] / sum(rows_read):.1f} us per row")
+    for kind, (n, rows, seconds) in walks.items():
+        if n:
+            print(f"\nwalk, rows {kind}: {n} trees, {rows / n:.1f} rows visited per tree, "
+                  f"{1e6 * seconds / rows:.1f} us per row")
 
 
 if __name__ == "__main__":

@@ -177,13 +177,12 @@ class SRSDConfig:
     max_nodes: int = 32
     max_branches: int = 8
     adaptive: bool = True
-    # greedy trees verified with an in-graph greedy sampler (llama/graph_argmax.py): the
-    # argmax of each tree row is taken inside llama.cpp's graph and only token ids come
-    # back, instead of every row's logits being copied out for an argmax on the host.
-    # True: every greedy tree; False: none. None (auto), where the sequence ids allow it:
-    # every greedy tree where the logits are computed off the CPU (each row copied out would
-    # be a 1 MB copy off the device), else the trees whose walk is expected to read enough
-    # rows to pay for an in-graph argmax of every row (engine.GRAPH_ROW_COST)
+    # greedy decoding with an in-graph greedy sampler (llama/graph_argmax.py): the argmax of
+    # each row of a greedy request's plain steps and trees is taken inside llama.cpp's graph
+    # and only token ids come back, instead of its logits rows being copied out for an
+    # argmax on the host (requests that need the logits: sampled, constrained, with
+    # log-probabilities, still get them). True / False: on / off; None (auto): on where the
+    # sequence ids allow it (a second block of branch ids per slot)
     sample_in_graph: bool | None = None
     # n-gram drafter (in srsd/hybrid trees, and as mode "pld")
     ngram_max: int = 4
@@ -267,9 +266,8 @@ class SRSDConfig:
 
     @property
     def graph_sampling(self) -> bool:
-        """Whether greedy trees may be sampled in llama.cpp's graph: `sample_in_graph`, or
-        for None, where there are sequence ids to spare (which trees are: Backend.graph_always
-        and engine.GRAPH_ROW_COST)."""
+        """Whether greedy requests are sampled in llama.cpp's graph: `sample_in_graph`, or
+        for None, where there are sequence ids to spare."""
         if self.sample_in_graph is not None:
             return self.sample_in_graph
         need = self.graph_branch_base(self.slots)

@@ -124,7 +124,10 @@ class FakeBackend:
 
     # sequence-explicit KV operations (the engine's slots)
     graph_seqs: frozenset = frozenset()  # no in-graph sampling here
-    graph_always = False
+    graph_sampling = False
+
+    def sample_main(self, seq: int, on: bool) -> bool:
+        return False
     _branches = staticmethod(Backend._branch_ids)
 
     def seq_fork(self, base: int, n_branches: int, first: int | None = None) -> None:

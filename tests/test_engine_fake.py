@@ -426,23 +426,3 @@ def test_a_failure_after_the_pass_fails_the_request_not_the_worker(monkeypatch):
                                                          mode="ar").token_ids
     finally:
         eng.close()
-
-
-def test_a_tree_is_sampled_in_the_graph_when_its_walk_would_read_enough_rows():
-    """graph_pays: the walk reads the root's row and one per expected accepted node; the
-    graph takes every row of the pass, padding included, at GRAPH_ROW_COST each."""
-    from srsd_local.engine.engine import GRAPH_ROW_COST, graph_pays
-    from srsd_local.spec.planner import Plan
-    from srsd_local.spec.tree import TokenTree
-
-    def plan(nodes: int, expected: float, pad: int = 0) -> Plan:
-        tree = TokenTree(1)
-        tree.insert(list(range(2, 2 + nodes)), 1.0)
-        return Plan(tree, [1.0] * (nodes + 1), [None] * (nodes + 1), expected, pad=pad)
-
-    assert GRAPH_ROW_COST == 0.3
-    assert graph_pays(plan(15, 14.0))  # a chain expected to be accepted to its end
-    assert not graph_pays(plan(15, 2.0))  # 3 rows read of 16: copying them is cheaper
-    assert graph_pays(plan(15, 3.8)) and not graph_pays(plan(15, 3.7))  # 4.8 of 16 rows
-    assert not graph_pays(plan(15, 3.8, pad=4))  # padding rows are sampled in-graph too
-    assert graph_pays(plan(1, 0.0))  # a 2-row tree: the root's row alone pays

@@ -196,41 +196,73 @@ def test_in_graph_tokens_are_numpys_argmax_and_only_llamas_sampler_copies_rows(
         be.close()
 
 
-def test_on_a_cpu_by_default_only_trees_expected_to_be_walked_far_are_sampled_in_graph(
-        model_path, monkeypatch):
-    """Auto on a CPU: the graph samplers are attached, but a tree is sampled in the graph only
-    where the walk is expected to read enough of its rows (graph_pays); the others copy their
-    rows out. Both kinds appear (an edit's long copied chains, new code's short trees), each
-    pass gets what its walk needs, and the outputs are plain decoding's."""
-    from srsd_local.engine import Engine
-    from srsd_local.engine import engine as engine_mod
 
-    eng = Engine.load(model_path, n_ctx=4096, learned=False, sample_in_graph=None)
+def test_a_greedy_request_is_sampled_in_graph_on_its_main_sequence(model_path, monkeypatch):
+    """By default (on a CPU too): a greedy request's main sequence carries a greedy sampler,
+    so its plain steps and its chains come back as token ids (no logits row copied out, no
+    fork), its other trees on the sampled branch ids; the prompt's last row still has its
+    logits copied out (kept for a repeat of the prompt in any mode); a request that needs the
+    logits takes the sampler off first. Outputs are plain decoding's."""
+    import numpy as np
+
+    from srsd_local.engine import Engine
+
+    eng = Engine.load(model_path, n_ctx=4096, learned=False)
     try:
         be = eng.backend
-        assert be.graph_seqs and not be.graph_always
-        choices: list[tuple[bool, float, int]] = []
-        pays = engine_mod.graph_pays
+        assert be.graph_sampling and eng.config.sample_in_graph is None
+        L = be._L
+        calls = {"plain": 0, "rows": 0}
+        step_at = be.step_at
 
-        def recording(plan):
-            got = pays(plan)
-            choices.append((got, plan.expected_accepted, len(plan.tree) + plan.pad))
-            return got
+        def counting_step(token, pos, seq):
+            out = step_at(token, pos, seq)
+            calls["plain"] += 1
+            calls["rows"] += out.sampled is not None
+            assert out.sampled is None or np.isnan(out.logits).all()
+            return out
 
-        monkeypatch.setattr(engine_mod, "graph_pays", recording)
+        monkeypatch.setattr(be, "step_at", counting_step)
+        forks: list[tuple[int, int, int]] = []  # per tree: branches, first id, copies
+        seq_cp, seq_fork = L.llama_memory_seq_cp, be.seq_fork
+        copies = []
+        monkeypatch.setattr(L, "llama_memory_seq_cp",
+                            lambda mem, a, b, p0, p1: copies.append(b) or
+                            seq_cp(mem, a, b, p0, p1))
+
+        def recording_fork(base, n_branches, first=None):
+            n0 = len(copies)
+            seq_fork(base, n_branches, first)
+            forks.append((n_branches, first, len(copies) - n0))
+
+        monkeypatch.setattr(be, "seq_fork", recording_fork)
         rows0 = be.graph_rows
-        outs = [(p.prompt, eng.generate(p.prompt, max_tokens=128, mode="srsd"))
-                for p in (EDIT, GEN)]
-        assert sum(o.stats.drafts for _, o in outs) == len(choices) > 0
-        in_graph = [c for c in choices if c[0]]
-        copied = [c for c in choices if not c[0]]
-        assert in_graph and copied, choices
-        # the rule: expected rows read (root + accepted) against GRAPH_ROW_COST per row
-        for got, expected, rows in choices:
-            assert got == (1.0 + expected >= engine_mod.GRAPH_ROW_COST * rows)
-        # every row of the in-graph trees came back as a token, none of the others did
-        assert be.graph_rows - rows0 == sum(rows for _, _, rows in in_graph)
-        for prompt, out in outs:
+        outs = {}
+        for p in (EDIT, GEN):
+            outs[p.prompt] = out = eng.generate(p.prompt, max_tokens=96, mode="srsd")
+            assert 0 in be.graph_seqs  # slot 0's main sequence (kept for the next request)
+        stats = [o.stats for o in outs.values()]
+        plain = sum(s.steps - s.drafts - 1 for s in stats)  # (the prompt's pass is a step)
+        assert calls["plain"] == calls["rows"] == plain > 0  # every plain step: a token
+        assert be.graph_rows - rows0 >= plain + 2 * sum(s.drafts for s in stats)
+        # chains (one branch) are verified on the main sequence itself, without a copy of
+        # it; a tree of b branches on the sampled branch ids (b copies)
+        assert len(forks) == sum(s.drafts for s in stats)
+        graph_first = eng.config.graph_branch_base(0)
+        assert any(b == 1 for b, _, _ in forks)
+        for b, first, n_copies in forks:
+            assert (first, n_copies) == ((0, 0) if b == 1 else (graph_first, b))
+        for prompt, out in outs.items():
             assert eng.verify_output(prompt, out.token_ids).ok
+        # verify_output decoded sequence 0 with its logits: the sampler was taken off
+        assert 0 not in be.graph_seqs
+        # a repeat of the prompt starts from the logits kept from its prefill, in any mode
+        greedy = eng.generate(EDIT.prompt, max_tokens=8, mode="ar")
+        assert 0 in be.graph_seqs
+        lp = eng.generate(EDIT.prompt, max_tokens=8, mode="ar", logprobs=1)
+        assert 0 not in be.graph_seqs and lp.stats.reused_prompt_tokens == len(
+            be.tokenize(EDIT.prompt))
+        assert lp.token_ids == greedy.token_ids
+        assert all(-50.0 < e.logprob <= 0.0 for e in lp.logprobs)
     finally:
         eng.close()

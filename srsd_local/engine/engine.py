@@ -48,7 +48,6 @@ from ..spec.acceptance import AcceptanceModel
 from ..spec.cost import CostModel
 from ..spec.draft import GRAMMAR, DraftInput
 from ..spec.index import VectorIndex
-from ..spec.planner import Plan
 from ..spec.sampling import (
     MAX_TOP_LOGPROBS,
     ConstrainedSampler,
@@ -91,11 +90,6 @@ CHUNK_MIN, CHUNK_MAX = 16, 512  # automatic prompt chunks while other requests d
 FORCED_CHARS = 64  # characters a grammar may force per step (drafted, then verified)
 MAX_CONSTRAINTS = 16  # compiled grammars kept per engine
 FORCED_MEMO = 1024  # tokenizations of grammar-forced text kept per engine
-# with the logits computed on the CPU: an in-graph argmax of a tree row (on the decode's
-# threads, right after the output layer) against the walk's read of a row copied out, both
-# per row. Measured on a 16-row tree of the default model (scripts/logits_cost.py): 0.51 ms
-# more in llama_decode for all 16 rows in the graph, 1.72 ms to read all 16 copied out
-GRAPH_ROW_COST = 0.3
 
 
 class Engine:
@@ -526,7 +520,7 @@ class Engine:
                 w = works[0][1]  # a plain step of one request: the fast path
                 self._set_capture(w.capture)
                 out = be.step_at(int(w.tokens[0]), int(w.positions[0]), w.seq_ids[0][0])
-                w.logits, w.hidden = out.logits, out.hidden
+                w.logits, w.hidden, w.sampled = out.logits, out.hidden, out.sampled
             else:
                 self._decode_together([w for _, w in works])
         except BaseException as exc:  # noqa: BLE001 - every request in the pass failed
@@ -676,9 +670,25 @@ class Engine:
             last = pos + size == n
             flags = np.zeros(size, dtype=np.int8)
             flags[-1] = last
-            w = Work(part, np.arange(pos, pos + size, dtype=np.int32),
-                     [[slot.base]] * size, flags, True, prefill=True)
-            yield w
+            ids = [[slot.base]] * size
+            # a main sequence sampled in the graph gets no logits copied out; the prompt's
+            # last chunk is put on the slot's (empty) branch 1 first, which has no sampler,
+            # so that its last row is not sampled and its logits are copied out (kept for a
+            # repeat of the prompt in any mode). (A row whose first sequence has a sampler
+            # and another has none gets neither its token nor its logits right from
+            # llama.cpp, which also wants sequences that share rows to share the cells
+            # before them: the branch gets the main sequence's first.)
+            aux = slot.base + 1 if last and slot.base in self.backend.graph_seqs else None
+            if aux is not None:
+                ids = [[aux, slot.base]] * size
+                self.backend.seq_copy(slot.base, aux, pos)
+            w = Work(part, np.arange(pos, pos + size, dtype=np.int32), ids, flags, True,
+                     prefill=True)
+            try:
+                yield w
+            finally:
+                if aux is not None:  # (branch 1 is empty outside a tree)
+                    self.backend.seq_trim(aux, 0)
             slot.ctx[pos: pos + size] = part
             if w.hidden is not None:
                 slot.index.add(w.hidden, pos)
@@ -716,12 +726,15 @@ class Engine:
         n_lp = job.logprobs
         # trees verified by llama.cpp's greedy sampler: plain argmax only (no constraint, no
         # log-probabilities, nothing that reshapes the logits)
-        in_graph = (bool(be.graph_seqs) and type(sampler) is Sampler and sampler.params.greedy
+        in_graph = (be.graph_sampling and type(sampler) is Sampler and sampler.params.greedy
                     and n_lp is None)
-        # its trees' branches then live on the slot's sampled sequence ids
+        # the slot's main sequence is then sampled in the graph: plain steps and chains come
+        # back as token ids (a tree's rows on its other branches are copied out)
+        main_graph = be.sample_main(slot.base, in_graph)
+        # a tree of several branches sampled in the graph lives on the slot's sampled
+        # branch ids
         graph_first = (self.config.graph_branch_base(slot.base // (self.config.max_branches + 1))
                        if in_graph else slot.base)
-        graph_always = in_graph and be.graph_always
 
         # 1. prefill
         t0 = time.perf_counter()
@@ -784,16 +797,23 @@ class Engine:
                 w = Work([x], [n], [[slot.base]], [1],  # no arrays: hot path
                          self.speculator.indexes(req))
                 yield w
-                path, y, path_tokens = [0], sampler(w.logits[0]), [x]
+                got = w.sampled
+                path, path_tokens = [0], [x]
+                y = sampler(w.logits[0]) if got is None else int(got[0])
             else:
-                graph = graph_always or (in_graph and graph_pays(plan))
-                first = graph_first if graph else slot.base
                 lay = plan.tree.layout()
+                # sampled in the graph: a chain on the main sequence where that is sampled
+                # (no fork), any other tree on the sampled branch ids (not on the main
+                # sequence and its unsampled branches: a row whose first sequence has a
+                # sampler and another has none gets neither its token nor its logits right)
+                chain = main_graph and lay.n_branches == 1
+                graph = in_graph and not chain
+                first = graph_first if graph else slot.base
                 be.seq_fork(slot.base, lay.n_branches, first)
                 try:
                     w = _tree_work(lay, n, first, plan.pad, req.uses_index)
                     yield w
-                    if graph:
+                    if graph or chain:
                         path, y = walk_tree(plan.tree, _graph_rows(w), int)
                     else:
                         path, y = walk_tree(plan.tree, w.logits.__getitem__, sampler)
@@ -968,14 +988,6 @@ def _tree_work(lay: TreeLayout, n: int, first: int, pad: int, capture: bool) -> 
     return Work(np.concatenate([lay.tokens, np.full(pad, lay.tokens[0], np.int32)]),
                 np.concatenate([n + lay.depths, np.arange(after, after + pad, dtype=np.int32)]),
                 ids + [[first]] * pad, np.ones(len(lay.tokens) + pad, np.int8), capture)
-
-
-def graph_pays(plan: Plan) -> bool:
-    """Whether a greedy tree whose logits are computed on the CPU is cheaper to verify with
-    the argmax of every row taken in llama.cpp's graph than with the rows copied out and the
-    walk reading those it visits: the walk reads the root's row and one per accepted node,
-    the graph takes every row of the pass (padding included) at GRAPH_ROW_COST of a read."""
-    return 1.0 + plan.expected_accepted >= GRAPH_ROW_COST * (len(plan.tree) + plan.pad)
 
 
 def _graph_rows(w: Work) -> Callable[[int], int]:

@@ -171,15 +171,15 @@ class Backend:
         self.graph_seqs: frozenset[int] = frozenset()  # sequences sampled in llama.cpp's graph
         self.graph_rows = 0  # output rows whose token llama.cpp's graph took, ever
         self.graph_sampler = ""  # which sampler takes them (_attach_greedy), "" for none
-        # whether every greedy tree is to be sampled in the graph (asked for, or the logits
-        # are computed off the CPU: each row copied out would cross the bus); else (auto,
-        # logits on the CPU) a tree is where its walk is expected to read enough rows
-        # (engine: GRAPH_ROW_COST)
-        self.graph_always = False
+        self.graph_sampling = False  # whether graph samplers are set up
+        self._main_chains: dict[int, object] = {}  # sample_main: sequence -> its chain
         self.capture: HiddenCapture | CompiledCapture | None = None
         try:
             self.vocab = L.llama_model_get_vocab(self.model)
             self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+            # the logits of a row sampled in llama.cpp's graph (not copied out)
+            self._no_rows = np.broadcast_to(np.float32(np.nan), (1, self.n_vocab))
+            self._one_token = np.zeros(1, np.int32)  # its token (reused: like a logits view)
             self.n_embd = L.llama_model_n_embd(self.model)
             self.n_layer = L.llama_model_n_layer(self.model)
             self.layer = None
@@ -213,8 +213,7 @@ class Backend:
             self.n_batch = L.llama_n_batch(self.ctx)  # llama.cpp clamps it to n_ctx
             self.mem = L.llama_get_memory(self.ctx)
             if graph:
-                self.graph_always = (config.sample_in_graph is True
-                                     or not self._output_on_cpu())
+                self.graph_sampling = True
                 self._attach_greedy([config.graph_branch_base(i) + b
                                      for i in range(config.slots)
                                      for b in range(config.max_branches)],
@@ -269,26 +268,57 @@ class Backend:
         own greedy sampler. Where llama.cpp refuses one, an error, or without `required`
         none stays attached."""
         L = self._L
-        compiled = environment().graph_sampler == "srsd"
-        threads = self._output_on_cpu()
         self.graph_sampler = "llama"
         for s in seqs:
-            chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
-            smpl = make_sampler(L, threads) if compiled else None
-            if smpl is not None:
-                self.graph_sampler = "srsd-threads" if threads else "srsd-ggml"
-            L.llama_sampler_chain_add(chain, smpl or L.llama_sampler_init_greedy())
+            chain = self._greedy_chain()
             self._chains.append(chain)
             if not L.llama_set_sampler(self.ctx, s, chain):
                 if not required:
                     for q in seqs:
                         L.llama_set_sampler(self.ctx, q, None)
                     self.graph_sampler = ""
+                    self.graph_sampling = False
                     return
                 raise ValueError("sample_in_graph: llama.cpp could not take the argmax in its "
                                  "graph on this device setup (backend sampling is not "
                                  "supported with a tensor split); run without it")
         self.graph_seqs = frozenset(seqs)
+
+    def _greedy_chain(self):
+        """A new sampler chain of one greedy sampler: the compiled one of graph_argmax.py
+        where it can be built (on a CPU, its argmax on every thread), else llama.cpp's."""
+        L = self._L
+        threads = self._output_on_cpu()
+        chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+        smpl = make_sampler(L, threads) if environment().graph_sampler == "srsd" else None
+        if smpl is not None:
+            self.graph_sampler = "srsd-threads" if threads else "srsd-ggml"
+        L.llama_sampler_chain_add(chain, smpl or L.llama_sampler_init_greedy())
+        return chain
+
+    def sample_main(self, seq: int, on: bool) -> bool:
+        """Take (`on`) or stop taking the argmax of sequence `seq`'s rows in llama.cpp's graph:
+        for a slot's main sequence while it serves a greedy request that needs no logits, so
+        that its plain steps and its chains' rows come back as token ids (no row copied out,
+        no argmax on the host). Only where graph sampling is set up (`graph_sampling`); the
+        next pass after a change re-plans llama.cpp's graph (a few milliseconds on a CPU).
+        Returns whether the sequence is sampled in the graph now."""
+        have = seq in self._main_chains
+        if on == have or not self.graph_sampling:
+            return have
+        L = self._L
+        if on:
+            chain = self._greedy_chain()
+            if not L.llama_set_sampler(self.ctx, seq, chain):
+                L.llama_sampler_free(chain)
+                return False
+            self._main_chains[seq] = chain
+            self.graph_seqs = self.graph_seqs | {seq}
+        else:
+            L.llama_set_sampler(self.ctx, seq, None)
+            L.llama_sampler_free(self._main_chains.pop(seq))
+            self.graph_seqs = self.graph_seqs - {seq}
+        return on
 
     # -- lifecycle ------------------------------------------------------------------------
     def close(self) -> None:
@@ -299,9 +329,9 @@ class Backend:
         if self.ctx:
             L.llama_free(self.ctx)
             self.ctx = None
-        for chain in getattr(self, "_chains", ()):  # the context no longer uses them
-            L.llama_sampler_free(chain)
-        self._chains = []
+        for chain in [*getattr(self, "_chains", ()), *getattr(self, "_main_chains", {}).values()]:
+            L.llama_sampler_free(chain)  # (the context no longer uses them)
+        self._chains, self._main_chains = [], {}
         if self.model:
             L.llama_model_free(self.model)
             self.model = None
@@ -384,6 +414,8 @@ class Backend:
         n = len(tokens)
         if n == 0:
             raise ValueError("decode needs at least one token")
+        if seq_ids is None and 0 in self._main_chains:  # sequence 0 with its logits
+            self.sample_main(0, False)
         pos = (np.arange(self.n_past, self.n_past + n, dtype=np.int32) if positions is None
                else np.asarray(positions, dtype=np.int32))
         if isinstance(want_logits, str):
@@ -474,6 +506,8 @@ class Backend:
     def step(self, token: int) -> DecodeOutput:
         """Decode one token of sequence 0 at n_past with its logits: the plain step, without
         the general path's allocations."""
+        if 0 in self._main_chains:  # sequence 0 with its logits
+            self.sample_main(0, False)
         out = self.step_at(token, self.n_past, 0)
         self.n_past += 1
         return out
@@ -488,8 +522,14 @@ class Backend:
         if self.capture is not None:
             self.capture.reset()
         self._decode_batch(1)
-        return DecodeOutput(self._logits(1), None if self.capture is None
-                            else self._captured())
+        hidden = None if self.capture is None else self._captured()
+        if seq in self._main_chains:  # its argmax taken in the graph: no row copied out
+            rep, got = self.replay, self._one_token
+            got[0] = (rep.sampled_rows()[1][0] if rep is not None else
+                      self._L.llama_get_sampled_token_ith(self.ctx, 0))
+            self.graph_rows += 1
+            return DecodeOutput(self._no_rows, hidden, got)
+        return DecodeOutput(self._logits(1), hidden)
 
     def _captured(self) -> np.ndarray | None:
         """The hidden rows the last llama_decode call captured."""
@@ -671,5 +711,8 @@ class Backend:
             self.n_past = n
 
     def clear(self) -> None:
+        """Empty the KV cache; no main sequence stays sampled in the graph (sample_main)."""
+        for seq in list(self._main_chains):
+            self.sample_main(seq, False)
         self._L.llama_memory_clear(self.mem, True)
         self.n_past = 0
