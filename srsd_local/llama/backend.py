@@ -711,8 +711,8 @@ class Backend:
             self.n_past = n
 
     def clear(self) -> None:
-        """Empty the KV cache; no main sequence stays sampled in the graph (sample_main)."""
-        for seq in list(self._main_chains):
-            self.sample_main(seq, False)
+        """Empty the KV cache (main sequences sampled in the graph stay so: taking a sampler
+        off and putting it back re-plans llama.cpp's graph; the methods on sequence 0 that
+        return its logits take its sampler off)."""
         self._L.llama_memory_clear(self.mem, True)
         self.n_past = 0
