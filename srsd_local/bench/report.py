@@ -265,7 +265,7 @@ def doc_section(summary: dict[str, Any], modes: Sequence[str], machine: dict[str
              f"{machine['n_gpu_layers']}); index: {machine['index_backend']}"
              + ("; weights not repacked (llama.cpp's extra buffer types off)"
                 if machine.get("repacked_weights") is False else "")
-             + (f"; greedy trees sampled in the graph ({machine['graph_sampler']})"
+             + (f"; greedy requests sampled in the graph ({machine['graph_sampler']})"
                 if machine.get("graph_sampler") else ""),
              f"- model: {machine['model']} ({machine['model_file']}); llama-cpp-python "
              f"{machine['llama_cpp_python']}",

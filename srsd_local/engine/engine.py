@@ -797,9 +797,9 @@ class Engine:
                 w = Work([x], [n], [[slot.base]], [1],  # no arrays: hot path
                          self.speculator.indexes(req))
                 yield w
-                got = w.sampled
-                path, path_tokens = [0], [x]
-                y = sampler(w.logits[0]) if got is None else int(got[0])
+                got = w.sampled  # (in a batch with other requests: -1 for this row
+                path, path_tokens = [0], [x]  # where this request's rows are not sampled)
+                y = int(got[0]) if got is not None and got[0] >= 0 else sampler(w.logits[0])
             else:
                 lay = plan.tree.layout()
                 # sampled in the graph: a chain on the main sequence where that is sampled
