@@ -64,7 +64,7 @@ from .profile import load_cost_model, save_cost_model
 from .replay import replayed_stats
 from .slots import Slot, Work, pick
 from .stats import GenerationStats
-from .verify import VerifyReport, verify_tokens
+from .verify import VERIFY_CHUNKS, VerifyReport, verify_tokens
 
 
 @dataclass
@@ -382,8 +382,13 @@ class Engine:
         the rounding noise measured in the same call (see engine/verify.py); with `grammar`
         or `json_schema`, against plain constrained decoding. Resets the context."""
         state = self.constraint(grammar, json_schema)
+        # the noise is measured in batches of the sizes a pass has here: with several slots,
+        # up to every slot's largest tree (bigger batches round differently)
+        cfg = self.config
+        chunks = VERIFY_CHUNKS if len(self.slots) == 1 else (
+            *VERIFY_CHUNKS, min(len(self.slots) * (cfg.max_nodes + 1), self.backend.n_batch))
         with self._lock:
-            return verify_tokens(self, prompt, tokens, constraint=state)
+            return verify_tokens(self, prompt, tokens, chunks=chunks, constraint=state)
 
     def replayed_stats(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationStats:
         """`generate(prompt, **kwargs)` recorded, then replayed without running the model:

@@ -63,8 +63,11 @@ class VerifyReport:
         return d
 
 
+VERIFY_CHUNKS = (4, 8, 16, 32)  # batch sizes the rounding noise is measured in
+
+
 def verify_tokens(engine: Any, prompt: str | Sequence[int], tokens: Sequence[int],
-                  chunks: Sequence[int] = (4, 8, 16, 32), constraint: Any = None
+                  chunks: Sequence[int] = VERIFY_CHUNKS, constraint: Any = None
                   ) -> VerifyReport:
     """Check `tokens` (an output of `prompt`, greedy) against plain greedy decoding at every
     position (see the module docstring); with `constraint` (a grammar position at the start
