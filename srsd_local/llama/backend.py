@@ -414,7 +414,7 @@ class Backend:
         n = len(tokens)
         if n == 0:
             raise ValueError("decode needs at least one token")
-        if seq_ids is None and 0 in self._main_chains:  # sequence 0 with its logits
+        if seq_ids is None:  # sequence 0, with its logits
             self.sample_main(0, False)
         pos = (np.arange(self.n_past, self.n_past + n, dtype=np.int32) if positions is None
                else np.asarray(positions, dtype=np.int32))
@@ -506,8 +506,7 @@ class Backend:
     def step(self, token: int) -> DecodeOutput:
         """Decode one token of sequence 0 at n_past with its logits: the plain step, without
         the general path's allocations."""
-        if 0 in self._main_chains:  # sequence 0 with its logits
-            self.sample_main(0, False)
+        self.sample_main(0, False)  # sequence 0, with its logits
         out = self.step_at(token, self.n_past, 0)
         self.n_past += 1
         return out
