@@ -53,13 +53,11 @@ def seeded(engine):
     outcome cannot depend on which tests ran before it); restored afterwards."""
     from srsd_local.engine.calibrate import load_calibration_file
     from srsd_local.spec.acceptance import AcceptanceModel
-    from srsd_local.spec.speculator import SEED_TRIALS
 
     spec = engine.speculator
     saved = spec.acceptance, spec.depth_calibration
     fresh = AcceptanceModel()
-    fresh.load_json((load_calibration_file(engine.model_path) or {}).get("acceptance", []),
-                    cap=SEED_TRIALS)
+    fresh.seed((load_calibration_file(engine.model_path) or {}).get("acceptance", []))
     spec.acceptance, spec.depth_calibration = fresh, {}
     engine.forget_outputs()
     try:

@@ -19,7 +19,7 @@ from srsd_local.llama.capture import resolve_layer
 from srsd_local.llama.models import ModelError
 from srsd_local.spec.acceptance import AcceptanceModel
 from srsd_local.spec.cost import CostModel
-from srsd_local.spec.speculator import SEED_TRIALS, Speculator
+from srsd_local.spec.speculator import Speculator
 
 pytestmark = pytest.mark.model
 
@@ -391,7 +391,7 @@ def test_speculative_sampling_is_reproducible_and_draws_what_plain_draws(engine,
 
     def fresh():
         acceptance = AcceptanceModel()
-        acceptance.load_json(calibration["acceptance"], cap=SEED_TRIALS)
+        acceptance.seed(calibration["acceptance"])
         cost = CostModel([1, 2, 4, 8, 16, 32], [0.020, 0.021, 0.023, 0.026, 0.032, 0.045])
         spec = Speculator(engine.config, cost, acceptance)
         monkeypatch.setattr(spec.cost, "observe", lambda *a, **k: None)

@@ -55,7 +55,7 @@ from ..spec.sampling import (
     TokenLogprob,
     token_logprob,
 )
-from ..spec.speculator import SEED_TRIALS, Request, Speculator
+from ..spec.speculator import Request, Speculator
 from ..spec.tree import TokenTree, TreeLayout
 from ..spec.verify import walk_tree
 from .calibrate import CALIBRATED_FIELDS, calibrate_first_use, load_calibration_file
@@ -146,8 +146,7 @@ class Engine:
             acceptance.load_json(saved)
         if calibration.get("acceptance"):  # kinds of nodes no earlier run saw (a draft
             # source added since) start from the seeds too
-            acceptance.load_json(calibration["acceptance"], cap=SEED_TRIALS,
-                                 missing_only=True)
+            acceptance.seed(calibration["acceptance"], missing_only=True)
         backend = Backend(path, cfg, capture_layer=cfg.layer)
         try:
             cost, profile = None, None

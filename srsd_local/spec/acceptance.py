@@ -17,6 +17,7 @@ SHARE_EDGES = (0.34, 0.67, 0.999)
 STRENGTH_EDGES = (0.4, 0.6, 0.8, 0.9)
 AGREE_EDGES = (2, 3, 5)
 MAX_KEY_DEPTH = 12  # deeper nodes share the keys of this depth
+SEED_TRIALS = 10  # calibration seeds count at most this many outcomes per kind of node
 
 
 @dataclass(slots=True)
@@ -145,6 +146,11 @@ class AcceptanceModel:
 
     def to_json(self) -> list:
         return [[list(k), v] for k, v in self.counts.items()]
+
+    def seed(self, data: list, missing_only: bool = False) -> None:
+        """Add a model calibration's acceptance counts as seeds: each kind of node counts as
+        at most SEED_TRIALS outcomes, so what real steps teach soon outweighs them."""
+        self.load_json(data, cap=SEED_TRIALS, missing_only=missing_only)
 
     def load_json(self, data: list, cap: float | None = None, missing_only: bool = False
                   ) -> None:

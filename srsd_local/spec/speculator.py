@@ -39,7 +39,6 @@ MAX_SKIP = 8  # steps without drafting after plans kept being declined
 EXPLORE_GAP = 50  # steps between plans that try a stale cost estimate optimistically ...
 MAX_EXPLORE_GAP = 3200  # ... doubled after each such plan, up to this, until a surprise
 EXPLORE_AFTER_SURPRISE = 4  # plans that do so after a step far faster than its estimate
-SEED_TRIALS = 10  # calibration seeds count at most this many outcomes per kind of node
 INDEXED_MODES = ("retrieval", "srsd", "hybrid")  # modes that query the hidden-state index
 TEXT_MODES = ("srsd",)  # modes that draft from the context's text (DraftInput.text)
 FOLLOW_MODES = ("srsd",)  # modes that follow copy runs (copyrun.py)
