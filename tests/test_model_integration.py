@@ -185,6 +185,71 @@ def test_two_branch_tree_matches_sequential_decoding(backend):
     np.testing.assert_allclose(nxt, fresh, atol=2.0)
 
 
+def test_branch_ids_keep_the_context_between_trees_and_lose_what_is_cut(backend):
+    """A commit drops only the tree's cells from the branch ids and the next fork copies
+    only what the main sequence got since (not the whole context each time); a cut of the
+    main sequence cuts the branch ids too, so a later tree sees the new context, not stale
+    cells. Every tree's rows predict what sequential decoding of its context predicts."""
+    L, mem = backend._L, backend.mem
+    text = backend.tokenize("The quick brown fox jumps over the lazy dog. " * 6)
+    alt = backend.tokenize("Once upon a time there was a small cottage in the woods. " * 2,
+                           add_bos=False)
+    depths = [0, 1, 2, 1, 2]
+    seq_ids = [[0, 1, 2], [0], [0], [1, 2], [1]]
+    trees = []  # (context in the KV cache, root, branch a, branch b, the tree's rows)
+
+    def tree(kv, root, a, b):  # branch 0 goes on with `a`, branches 1 and 2 with `b`
+        n = backend.n_past
+        assert n == len(kv)
+        backend.fork(3)
+        rows = backend.decode([root, *a, *b], positions=[n + d for d in depths],
+                              seq_ids=seq_ids, want_logits="all").logits.copy()
+        trees.append((list(kv), root, a, b, rows))
+        return n
+
+    def pos_max(s):
+        return L.llama_memory_seq_pos_max(mem, s)
+
+    backend.clear()
+    kv = text[:29]
+    backend.decode(kv, want_logits="none")
+    copies, starts = [], []
+    seq_cp = L.llama_memory_seq_cp
+    L.llama_memory_seq_cp = lambda m, a, b, p0, p1: copies.append((a, p0)) or seq_cp(
+        m, a, b, p0, p1)
+    try:
+        for k in range(3):
+            i = len(kv)
+            starts.append(tree(kv, text[i], text[i + 1: i + 3], alt[k: k + 2]))
+            backend.commit(branch=1, n_keep=2, n_branches=3)  # the root and b's first
+            kv = kv + [text[i], alt[k]]
+            assert pos_max(0) == len(kv) - 1 and pos_max(1) == pos_max(2) == starts[-1] - 1
+            backend.decode([text[i + 1]], want_logits="none")  # a plain step
+            kv.append(text[i + 1])
+    finally:
+        L.llama_memory_seq_cp = seq_cp
+    # the first fork copied the whole context into each branch id, the later ones only the
+    # cells the main sequence got since the branch ids' last tree (the commits' copies are
+    # from branch 1 into the main sequence)
+    assert [p0 for src, p0 in copies if src == 0] == [0, 0, starts[0], starts[0], starts[1],
+                                                       starts[1]]
+    # cut the context back into its first part: the branch ids lose the cut cells too
+    backend.trim(10)
+    assert pos_max(0) == pos_max(1) == pos_max(2) == 9
+    kv = text[:10] + alt[:12]
+    backend.decode(kv[10:], want_logits="none")
+    n = tree(kv, alt[12], alt[13:15], text[5:7])
+    backend.abandon(3)
+    assert pos_max(0) == n - 1 and pos_max(1) == pos_max(2) == n - 1
+    backend.clear()
+    assert pos_max(0) == pos_max(1) == pos_max(2) == -1
+    for kv, root, a, b, rows in trees:
+        _same_argmax_up_to_ties(rows[[0, 1, 2]], _sequential_rows(backend, kv, [root, *a])[1:])
+        ref = _sequential_rows(backend, kv, [root, *b])[1:]
+        _same_argmax_up_to_ties(rows[[0, 3, 4]], ref)
+        np.testing.assert_allclose(rows[[0, 3, 4]], ref, atol=2.0)
+
+
 def test_bad_layer_and_bad_model_errors(model_path):
     assert resolve_layer(0.25, 18) == 4
     with pytest.raises(ValueError, match="accepted are 0..16"):

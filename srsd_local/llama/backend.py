@@ -173,6 +173,7 @@ class Backend:
         self.graph_sampler = ""  # which sampler takes them (_attach_greedy), "" for none
         self.graph_sampling = False  # whether graph samplers are set up
         self._main_chains: dict[int, object] = {}  # sample_main: sequence -> its chain
+        self._shares: dict[int, tuple[int, int]] = {}  # branch id -> cells it holds (KV)
         self.capture: HiddenCapture | CompiledCapture | None = None
         try:
             self.vocab = L.llama_model_get_vocab(self.model)
@@ -635,6 +636,19 @@ class Backend:
     # Sequence-explicit operations (the engine's slots: each owns a main sequence id `base`
     # and the branch ids base+1..base+B-1 of its trees); the methods without `seq_` work on
     # sequence 0 and `n_past` (single-sequence use: profiling, verification, tests).
+    #
+    # A branch id keeps the main sequence's cells between trees: a tree's rows attend to
+    # the cells of their first sequence id, so every branch id must hold the whole context,
+    # and copying all of it into each branch for every tree (then dropping it again) costs
+    # llama.cpp a bookkeeping entry per cell and branch both ways: 0.7 ms for a two-branch
+    # tree at 2k tokens of context on a CPU, 1.5 ms at 3.4k, as much as verifying it. So a
+    # commit drops only the tree's cells from the branch ids, and the next fork copies only
+    # the cells the main sequence got since. `_shares[s] = (base, end)`: branch id s holds
+    # exactly the cells of sequence `base` at positions < end (and nothing else, outside a
+    # tree pass); every removal from `base` is applied to its branch ids as well.
+    _UNBOUNDED = 1 << 30  # `end` of a branch id forked from its whole main sequence
+    _NOT_SHARED = -2  # the `base` of an id whose cells are not known to be another's
+
     @staticmethod
     def _branch_ids(base: int, n_branches: int, first: int | None) -> range | list[int]:
         """A tree's branch sequence ids other than `base`: first..first+n_branches-1, where
@@ -644,33 +658,46 @@ class Backend:
         return [s for s in range(first, first + n_branches) if s != base]
 
     def seq_fork(self, base: int, n_branches: int, first: int | None = None) -> None:
-        """Copy sequence `base` into the branch ids first..first+n_branches-1 (default
-        first = base: branch 0 is `base` itself)."""
+        """Make the branch ids first..first+n_branches-1 (default first = base: branch 0 is
+        `base` itself) hold sequence `base`'s cells: those it got since the id last did."""
         if n_branches > self.config.max_branches + (first is None or first == base):
             raise ValueError(f"{n_branches} branches > max_branches + 1 "
                              f"({self.config.max_branches + 1})")
+        L, mem, shares = self._L, self.mem, self._shares
         for s in self._branch_ids(base, n_branches, first):
-            self._L.llama_memory_seq_cp(self.mem, base, s, -1, -1)
+            of, end = shares.get(s, (base, 0))
+            if of != base:  # it held another sequence's cells: start afresh
+                L.llama_memory_seq_rm(mem, s, -1, -1)
+                end = 0
+            L.llama_memory_seq_cp(mem, base, s, end, -1)
+            shares[s] = (base, self._UNBOUNDED)
 
     def seq_commit(self, base: int, winner: int, start: int, keep_until: int,
                    n_branches: int, first: int | None = None) -> None:
         """After a tree pass from position `start`: keep the cells of sequence `winner` (one
         of the branch ids first..first+n_branches-1) up to `keep_until` as sequence `base`,
-        drop the rest the pass wrote. Other sequences (other slots) are untouched."""
+        drop the rest the pass wrote. The branch ids keep the cells before `start`. Other
+        sequences (other slots) are untouched."""
         L, mem = self._L, self.mem
-        if winner != base:
-            self._seq_rm(base, start)
+        if winner != base:  # (the raw calls: the branch ids still hold the tree's cells)
+            self._check_rm(L.llama_memory_seq_rm(mem, base, start, -1), base, start)
             L.llama_memory_seq_cp(mem, winner, base, start, -1)
+        self._drop_tree(base, n_branches, start, first)
+        self._check_rm(L.llama_memory_seq_rm(mem, base, keep_until, -1), base, keep_until)
+
+    def _drop_tree(self, base: int, n_branches: int, start: int, first: int | None) -> None:
+        """The cells of a tree pass from `start` dropped from its branch ids (not `base`)."""
+        L, mem, shares = self._L, self.mem, self._shares
         for s in self._branch_ids(base, n_branches, first):
-            L.llama_memory_seq_rm(mem, s, -1, -1)
-        self._seq_rm(base, keep_until)
+            L.llama_memory_seq_rm(mem, s, start, -1)
+            of, end = shares.get(s, (base, 0))
+            shares[s] = (of, min(end, start))
 
     def seq_abandon(self, base: int, n_branches: int, start: int,
                     first: int | None = None) -> None:
         """Undo a tree pass from position `start` that will not be committed (an error
-        between fork and commit): branch sequences and the tree's cells in `base` go."""
-        for s in self._branch_ids(base, n_branches, first):
-            self._L.llama_memory_seq_rm(self.mem, s, -1, -1)
+        between fork and commit): the tree's cells go from the branch ids and `base`."""
+        self._drop_tree(base, n_branches, start, first)
         self._seq_rm(base, start)
 
     def seq_trim(self, seq: int, start: int) -> None:
@@ -679,11 +706,26 @@ class Backend:
 
     def seq_copy(self, src: int, dst: int, end: int) -> None:
         """Sequence `dst` becomes positions [0, end) of sequence `src` (shared cells)."""
-        self._L.llama_memory_seq_rm(self.mem, dst, -1, -1)
+        self._seq_rm(dst, 0)
         self._L.llama_memory_seq_cp(self.mem, src, dst, 0, end)
+        # what it holds from here on is the caller's: a fork into it starts afresh
+        self._shares[dst] = (self._NOT_SHARED, 0)
 
     def _seq_rm(self, seq: int, start: int) -> None:
-        if not self._L.llama_memory_seq_rm(self.mem, seq, start, -1):
+        """Drop positions >= start of sequence `seq` (-1: of every sequence), and of the
+        branch ids that hold its cells."""
+        L, mem, shares = self._L, self.mem, self._shares
+        self._check_rm(L.llama_memory_seq_rm(mem, seq, start, -1), seq, start)
+        for s, (of, end) in list(shares.items()):
+            if s == seq or seq < 0:
+                shares[s] = (of, min(end, start))
+            elif of == seq and end > start:
+                L.llama_memory_seq_rm(mem, s, start, -1)
+                shares[s] = (of, start)
+
+    @staticmethod
+    def _check_rm(ok: bool, seq: int, start: int) -> None:
+        if not ok:
             raise DecodeError(f"llama.cpp could not remove positions {start}.. of sequence "
                               f"{seq} (this model's memory cannot roll back part of a "
                               "sequence)")
@@ -714,4 +756,5 @@ class Backend:
         off and putting it back re-plans llama.cpp's graph; the methods on sequence 0 that
         return its logits take its sampler off)."""
         self._L.llama_memory_clear(self.mem, True)
+        self._shares.clear()
         self.n_past = 0
