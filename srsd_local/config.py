@@ -46,6 +46,8 @@ class Environment:
       compiled kernels
     - SRSD_GRAPH_SAMPLER: "llama" takes in-graph argmaxes (sample_in_graph) with llama.cpp's
       greedy sampler instead of the compiled ones (llama/graph_argmax.py)
+    - SRSD_TOKENIZER: "llama" tokenizes drafting's short texts with llama.cpp's tokenizer
+      instead of the Python one of llama/spm.py (the same tokens, checked per model)
     - SRSD_EXTRA_BUFTS: 1/0 loads models with / without llama.cpp's repacked weight layouts
       (default: with them, unless the CPU backend offers AMX's, which crash: cpubufs.py)
     - CC: the C compiler for the compiled callback and kernel (else cc, gcc or clang)
@@ -69,6 +71,7 @@ class Environment:
     cc: str | None
     kernels: str = "c"
     graph_sampler: str = "srsd"
+    tokenizer: str = "spm"
     extra_bufts: str | None = None  # SRSD_EXTRA_BUFTS as given (cpubufs.py decides)
     hf_endpoint: str = "https://huggingface.co"
     hf_cache: Path = Path("~/.cache/huggingface/hub")
@@ -98,6 +101,8 @@ def environment() -> Environment:
                        else "c",
                        graph_sampler="llama" if env.get("SRSD_GRAPH_SAMPLER", "").lower()
                        == "llama" else "srsd",
+                       tokenizer="llama" if env.get("SRSD_TOKENIZER", "").lower() == "llama"
+                       else "spm",
                        extra_bufts=env.get("SRSD_EXTRA_BUFTS"),
                        hf_endpoint=(env.get("HF_ENDPOINT") or "https://huggingface.co"
                                     ).rstrip("/"),

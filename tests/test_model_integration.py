@@ -32,6 +32,41 @@ def test_tokenize_detokenize_round_trip(backend):
     assert backend.tokenize("x")[0] != backend.tokenize("x", add_bos=False)[0]  # BOS
 
 
+def test_drafting_tokenizer_gives_llama_cpps_tokens(engine, monkeypatch):
+    """Drafting's short texts are tokenized by the Python SPM tokenizer (llama/spm.py) on
+    this model: the tokens llama.cpp gives, on 4,000 pieces of the workloads' prompts (every
+    length the fast path takes), and llama.cpp's own where it is turned off."""
+    import random  # noqa: PLC0415
+
+    from srsd_local.bench.workloads import load_workload  # noqa: PLC0415
+    from srsd_local.llama import backend as backend_mod  # noqa: PLC0415
+
+    be = engine.backend
+    tokenize = be.text_tokenizer()
+    assert tokenize is engine._text_tokens
+    # the fast path is in use: it never calls llama.cpp for a short text
+    calls = []
+    real = be.tokenize
+    monkeypatch.setattr(be, "tokenize", lambda *a, **k: calls.append(a) or real(*a, **k))
+    assert tokenize("    return x\n\n<b>") and not calls
+    monkeypatch.setattr(be, "tokenize", real)
+    rng = random.Random(7)
+    texts = [p.prompt for spec in ("code_edit", "text_edit", "humaneval", "json", "open")
+             for p in load_workload(spec)]
+    pieces = [*backend_mod.SPM_CHECKS, "\t\tif x:\n\t\t\treturn", " " * 33 + "x", "\u00e9\u0301"]
+    for _ in range(4000):
+        t = rng.choice(texts)
+        i = rng.randrange(len(t))
+        pieces.append(t[i: i + rng.randint(1, backend_mod.SPM_MAX_CHARS + 8)])
+    wrong = [p for p in pieces if tokenize(p) != be.tokenize(p, add_bos=False, special=False)]
+    assert not wrong, wrong[:5]
+    monkeypatch.setenv("SRSD_TOKENIZER", "llama")
+    slow = be._make_text_tokenizer()
+    calls.clear()
+    monkeypatch.setattr(be, "tokenize", lambda *a, **k: calls.append(a) or real(*a, **k))
+    assert slow("def f():") == tokenize("def f():") and calls
+
+
 def test_incremental_detokenizer_never_splits_utf8(backend):
     text = "emoji 🦙🦙 and 世界"
     ids = backend.tokenize(text, add_bos=False)

@@ -113,6 +113,11 @@ class Engine:
         self._tick = 0  # requests admitted, for least-recently-used slots
         self._constraints: dict[str, Constraint] = {}  # compiled grammars, by GBNF text
         self._forced_memo: dict[str, tuple[int, ...]] = {}  # forced text -> its tokens
+        # drafting's tokenizer of short texts (backend.text_tokenizer: built here, not in
+        # the first request's steps)
+        self._text_tokens: Callable[[str], list[int]] = (
+            backend.text_tokenizer() if hasattr(backend, "text_tokenizer") else
+            lambda text: backend.tokenize(text, add_bos=False, special=False))
         # a recurrent or hybrid model cannot roll back part of a sequence: plain steps only
         self.plain_only = not getattr(backend, "can_speculate", True)
         if self.plain_only:
@@ -869,7 +874,7 @@ class Engine:
         """Tokens of a piece of output-to-be (no BOS, special-token text left as text)."""
         if isinstance(text, bytes):
             text = text.decode("utf-8", "ignore")
-        return self.backend.tokenize(text, add_bos=False, special=False)
+        return self._text_tokens(text)
 
     def _forced_tokens(self, text: str) -> tuple[int, ...]:
         """`_tokenize_text` of text a grammar forces, remembered: a schema's keys and
