@@ -13,6 +13,7 @@ from typing import Any
 
 MODES = ("ar", "pld", "ngram", "retrieval", "srsd", "hybrid")
 INDEX_BACKENDS = ("auto", "faiss-gpu", "faiss-cpu", "numpy")
+RETRIEVAL_SEARCHES = ("next", "all")
 
 
 def _check(cond: bool, field: str, value: Any, accepted: str) -> None:
@@ -176,6 +177,11 @@ class SRSDConfig:
     index_backend: str = "auto"
     top_k: int = 10
     min_similarity: float = 0.2
+    # which positions retrieval's query is compared with: "next", those the known next token
+    # follows (the only hits that can draft: reads a few of the context's rows, in one
+    # compiled call); "all", every position, then the hits the next token does not follow
+    # are dropped (the original SRSD search, on the index backend; top_k counts them all)
+    retrieval_search: str = "next"
     # token tree: the drafters' candidates are bounded by these; with `adaptive` the
     # controller then keeps the sub-tree that maximises expected tokens per second
     draft_depth: int = 16
@@ -232,6 +238,8 @@ class SRSDConfig:
         _check(self.index_backend in INDEX_BACKENDS, "index_backend", self.index_backend,
                "one of " + ", ".join(INDEX_BACKENDS))
         _int("top_k", self.top_k, 1, 1024)
+        _check(self.retrieval_search in RETRIEVAL_SEARCHES, "retrieval_search",
+               self.retrieval_search, "one of " + ", ".join(RETRIEVAL_SEARCHES))
         _float("min_similarity", self.min_similarity, -1.0, 1.0)
         _int("draft_depth", self.draft_depth, 1, 255)
         _int("max_nodes", self.max_nodes, 1, 255)

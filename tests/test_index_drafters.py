@@ -186,6 +186,128 @@ def test_an_empty_index_can_be_flushed_copied_and_truncated(backend, kernel):
     assert idx.search(x[4], 1).positions.tolist() == [4]
 
 
+def _next_hits_by_hand(idx, rows, indexed, query, tokens, root, k, min_score, max_agree):
+    """search_next's answer from its definition: every indexed position root follows,
+    scored against the stored form of its row."""
+    n = len(tokens)
+    q = idx._normalise(query)[0]
+    found = []
+    for j in range(n - 2):
+        if tokens[j + 1] == root and j in indexed:
+            s = float(idx._normalise(rows[j])[0] @ q)
+            if s >= min_score:
+                found.append((-s, j))
+    found.sort()
+    hits = []
+    for s, j in found[:k]:
+        a = 1
+        while a < max_agree and j - a + 1 >= 0 and tokens[j - a + 1] == tokens[n - a]:
+            a += 1
+        hits.append((j, -s, a))
+    return hits
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_search_next_compares_only_the_positions_the_next_token_follows(kernel):
+    # a context of few distinct tokens (many positions each follows), rows added as a
+    # prompt block, then step by step (pending until the search, which stores them), a
+    # position left out of the index, the context cut back and re-grown, a copy
+    if kernel:
+        _compiled_normalise()
+    rng = np.random.default_rng(5)
+    n, dim = 240, 24
+    tokens = rng.integers(0, 6, n).astype(np.int32)
+    rows = rng.normal(size=(n, dim)).astype(np.float32) + 0.3
+    idx = VectorIndex(dim, 400, "numpy")
+    if not kernel:
+        idx._kernel = idx._retrieve = None
+    idx.add(rows[:100], 0)
+    indexed = set(range(100))
+    for i in range(100, 200):
+        if i != 150:  # (a step whose row was not captured)
+            idx.add(rows[i], i)
+            indexed.add(i)
+    assert idx._staged > 0
+    for _ in range(20):
+        query = rows[rng.integers(0, 200)] + rng.normal(size=dim).astype(np.float32) * 0.5
+        ctx, root = tokens[:200], int(tokens[rng.integers(0, 200)])
+        k, min_score = int(rng.integers(1, 9)), float(rng.choice([-1.0, 0.0, 0.2]))
+        got = idx.search_next(query, ctx, root, k, min_score, 8)
+        want = _next_hits_by_hand(idx, rows, indexed, query, ctx, root, k, min_score, 8)
+        assert got.positions == [j for j, _, _ in want]
+        np.testing.assert_allclose(got.scores, [s for _, s, _ in want], atol=1e-5)
+        assert got.agree == [a for _, _, a in want]
+        assert all(ctx[j + 1] == root for j in got.positions)
+    assert idx._staged == 0 and idx._stored == len(idx) == 199
+    # stored rows are those a block stores: the same float16 values
+    ref = VectorIndex(dim, 400, "numpy")
+    ref._kernel = idx._kernel
+    ref.add(rows[:100], 0)
+    ref.add(np.delete(rows[100:200], 50, axis=0), [i for i in range(100, 200) if i != 150])
+    ref._flush()
+    np.testing.assert_array_equal(idx._buf[:199], ref._buf[:199])
+    idx.truncate(120)
+    indexed = set(range(120))
+    got = idx.search_next(rows[130], tokens[:200], int(tokens[131]), 50, -1.0, 8)
+    assert got.positions and max(got.positions) < 120
+    for i in range(120, 180):
+        idx.add(rows[i], i)
+        indexed.add(i)
+    copy = VectorIndex(dim, 400, "numpy")
+    copy.copy_from(idx, 170)
+    for index, known in ((idx, indexed), (copy, set(range(170)))):
+        for root in range(6):
+            got = index.search_next(rows[160], tokens[:180], root, 6, -1.0, 8)
+            want = _next_hits_by_hand(index, rows, known, rows[160], tokens[:180], root, 6,
+                                      -1.0, 8)
+            assert got.positions == [j for j, _, _ in want]
+    assert idx.search_next(rows[0], tokens[:2], int(tokens[1]), 5, -1.0, 8).positions == []
+    assert VectorIndex(dim, 10, "numpy").search_next(rows[0], tokens, 1, 5, -1.0, 8).positions \
+        == []
+    with pytest.raises(ValueError, match="one row of 24"):
+        idx.search_next(rows[:2].ravel(), tokens, 1, 5, -1.0, 8)
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_search_next_finds_rows_stored_after_the_index_grew(kernel):
+    # the buffer and the position map are replaced as the context grows past them (the
+    # kernel is given their new addresses), as is the centre when the index is cleared
+    if kernel:
+        _compiled_normalise()
+    x = _data(2600, 16)
+    tokens = (np.arange(2600) % 5).astype(np.int32)
+    idx = VectorIndex(16, 3000, "numpy")
+    if not kernel:
+        idx._kernel = idx._retrieve = None
+    for _ in range(2):
+        idx.add(x[:1000], 0)
+        assert idx.search_next(x[500], tokens[:1000], 1, 1, -1.0, 8).positions == [500]
+        for i in range(1000, 2600):
+            idx.add(x[i], i)
+        for j in (1200, 2500, 2590):
+            got = idx.search_next(x[j], tokens, int(tokens[j + 1]), 2, -1.0, 8)
+            assert got.positions[0] == j and got.scores[0] == pytest.approx(1.0, abs=2e-3)
+        idx.clear()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_faiss_index_is_filled_from_the_stored_rows_when_searched(backend):
+    # rows stored for search_next reach a full search later; a cut drops them from it
+    x = _data(150)
+    tokens = np.arange(150, dtype=np.int32) % 7
+    idx = VectorIndex(32, 400, backend)
+    idx.add(x[:60], 0)
+    for i in range(60, 150):
+        idx.add(x[i], i)
+        if i % 20 == 0:
+            idx.search_next(x[i], tokens[: i + 1], int(tokens[i]), 3, -1.0, 8)
+    assert idx.search(x[140], 1).positions.tolist() == [140]
+    idx.truncate(100)
+    assert idx.search(x[140], 3).positions.max() < 100
+    idx.add(x[100:110], 100)
+    assert idx.search(x[105], 1).positions.tolist() == [105]
+
+
 def test_centre_is_estimated_once_from_the_first_rows():
     x = _data() + 5.0  # a shared offset that would dominate cosine similarity
     idx = VectorIndex(32, 400, "numpy")
@@ -257,17 +379,23 @@ def test_semantic_drafter_gates_on_the_next_token():
     gated = SemanticDrafter(_cfg(top_k=3, min_similarity=0.5)).draft(
         DraftInput(ctx, root=99, query=q, index=idx))
     assert gated.n_draft == 0
+    # the original search over every position drafts the same here
+    full = SemanticDrafter(_cfg(top_k=3, min_similarity=0.5, retrieval_search="all")).draft(
+        DraftInput(ctx, root=11, query=q, index=idx))
+    assert full.path_tokens(len(full) - 1) == [12, 13, 14, 15]
     # a root the context never held before its last position: no hit could pass the gate,
-    # and the index is not even searched
+    # and the whole index is not even searched
     class Unsearched(VectorIndex):
         def search(self, query, k):
             raise AssertionError("searched")
 
     quiet = Unsearched(dim, 64, "numpy")
     quiet.add(rows, np.arange(len(ctx)))
-    for root in (99, 22):  # (22 is the last token: nothing after it to draft)
-        assert SemanticDrafter(_cfg(top_k=3, min_similarity=0.5)).propose(
-            DraftInput(ctx, root=root, query=q, index=quiet)) == []
+    for search in ("next", "all"):
+        for root in (99, 22):  # (22 is the last token: nothing after it to draft)
+            assert SemanticDrafter(_cfg(top_k=3, min_similarity=0.5,
+                                        retrieval_search=search)).propose(
+                DraftInput(ctx, root=root, query=q, index=quiet)) == []
     # weak similarity drafts nothing
     weak = SemanticDrafter(_cfg(top_k=3, min_similarity=0.999)).draft(
         DraftInput(ctx, root=11, query=rng.normal(size=dim).astype(np.float32), index=idx))

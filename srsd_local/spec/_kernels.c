@@ -147,3 +147,88 @@ void srsd_normalise_rows(const float *x, int64_t n, int64_t dim, const float *ce
         for (i = 0; i < dim; ++i) o[i] = round_f16(o[i] / norm);
     }
 }
+
+/* The float16 bits of x, a value round_f16 gives (so exactly representable): normal values
+ * re-biased from float32's exponent, subnormals (|x| < 2^-14) as their count of 2^-24. */
+static inline uint16_t f16_bits(float x) {
+    bits32 v = {.f = x};
+    const uint32_t sign = ((uint32_t)v.i >> 16) & 0x8000u;
+    const int32_t mag = v.i & 0x7fffffff;
+    if (mag < 0x38800000) /* below 2^-14 (zero included): a multiple of 2^-24 */
+        return (uint16_t)(sign | (uint32_t)((v.f < 0 ? -v.f : v.f) * 16777216.0f));
+    return (uint16_t)(sign | (uint32_t)(((mag >> 23) - 112) << 10) | ((uint32_t)mag >> 13 & 0x3ffu));
+}
+
+/* The float32 value of float16 bits h (finite values: the index stores nothing else). */
+static inline float f16_value(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    bits32 normal = {.i = (int32_t)(sign | ((e + 112u) << 23) | (m << 13))};
+    bits32 sub = {.f = (float)m * 5.9604644775390625e-8f};
+    sub.i |= (int32_t)sign;
+    return e ? normal.f : sub.f;
+}
+
+static float dot_f16(const float *q, const uint16_t *row, int64_t dim) {
+    float lane[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= dim; i += LANES)
+        for (int j = 0; j < LANES; ++j) lane[j] += q[i + j] * f16_value(row[i + j]);
+    double s = 0.0;
+    for (int j = 0; j < LANES; ++j) s += lane[j];
+    for (; i < dim; ++i) s += q[i] * f16_value(row[i]);
+    return (float)s;
+}
+
+/* Hidden-state retrieval in one call (see index.py, VectorIndex.search_next):
+ * - the n_stage raw rows in `stage` are stored: normalised (as srsd_normalise_rows) and
+ *   written as float16 bits to rows[stored .. stored + n_stage);
+ * - the raw `query` is normalised the same way into `qbuf`;
+ * - among the context positions j whose next token is `root` (tokens[j + 1] == root, with
+ *   a token after that: j + 2 < n_tok) and that have a stored row (row_of[j] >= 0), the at
+ *   most k most similar to the query with a similarity of at least min_score, best first
+ *   (ties: the earlier position), are written to out_pos / out_score, with how many tokens
+ *   up to the root the context before each one agrees with the context's end (1 + the
+ *   matching tokens before, at most max_agree) to out_agree. Returns how many. */
+int64_t srsd_retrieve(const float *stage, int64_t n_stage, const float *query, int64_t dim,
+                      const float *center, uint16_t *rows, int64_t stored, float *qbuf,
+                      const int32_t *tokens, int64_t n_tok, int32_t root,
+                      const int32_t *row_of, int64_t k, float min_score, int64_t max_agree,
+                      int64_t *out_pos, float *out_score, int64_t *out_agree) {
+    for (int64_t r = 0; r < n_stage; ++r) {
+        srsd_normalise_rows(stage + r * dim, 1, dim, center, qbuf);
+        uint16_t *o = rows + (stored + r) * dim;
+        for (int64_t i = 0; i < dim; ++i) o[i] = f16_bits(qbuf[i]);
+    }
+    srsd_normalise_rows(query, 1, dim, center, qbuf);
+    const int64_t n_rows = stored + n_stage;
+    int64_t got = 0;
+    for (int64_t j = 0; j + 2 < n_tok; ++j) {
+        if (tokens[j + 1] != root) continue;
+        const int32_t r = row_of[j];
+        if (r < 0 || r >= n_rows) continue;
+        const float s = dot_f16(qbuf, rows + (int64_t)r * dim, dim);
+        if (!(s >= min_score)) continue;
+        /* insert by score (positions come in increasing order: a tie stays behind) */
+        int64_t at = got < k ? got : k;
+        while (at > 0 && out_score[at - 1] < s) --at;
+        if (at >= k) continue;
+        const int64_t last = got < k ? got : k - 1;
+        for (int64_t m = last; m > at; --m) {
+            out_pos[m] = out_pos[m - 1];
+            out_score[m] = out_score[m - 1];
+        }
+        out_pos[at] = j;
+        out_score[at] = s;
+        if (got < k) ++got;
+    }
+    for (int64_t h = 0; h < got; ++h) {
+        const int64_t j = out_pos[h];
+        int64_t agree = 1; /* the root itself; then the tokens before it */
+        while (agree < max_agree && j - agree + 1 >= 0 &&
+               tokens[j - agree + 1] == tokens[n_tok - agree])
+            ++agree;
+        out_agree[h] = agree;
+    }
+    return got;
+}

@@ -2,14 +2,23 @@
 
 Rows are centred (the centre is estimated from the first rows added, the prompt, then kept
 fixed) and unit-normalised; similarity is the inner product (cosine). Vectors are stored as
-float16. Three backends return the same hits on the same data:
+float16, in a buffer grown geometrically.
 
-- ``numpy``: a preallocated float16 buffer grown geometrically;
-- ``faiss-cpu``: ``IndexScalarQuantizer`` (fp16 codes, exact inner-product search);
-- ``faiss-gpu``: ``GpuIndexFlatIP`` with float16 storage and capped scratch memory, only when
-  the faiss build has GPU support *and* sees a GPU.
+Two searches:
 
-``auto`` picks faiss-gpu, else faiss-cpu, else numpy.
+- ``search_next`` (what retrieval uses by default): the most similar among the positions the
+  known next token follows. It reads only those rows, a few of the context's, in one
+  compiled call that also stores the rows waiting to be stored (numpy without a compiler);
+- ``search``: the most similar of all rows (the original SRSD search: the caller filters
+  the hits). Its backend returns the same hits on the same data:
+
+  - ``numpy``: the buffer itself;
+  - ``faiss-cpu``: ``IndexScalarQuantizer`` (fp16 codes, exact inner-product search);
+  - ``faiss-gpu``: ``GpuIndexFlatIP`` with float16 storage and capped scratch memory, only
+    when the faiss build has GPU support *and* sees a GPU.
+
+  A faiss index is filled from the buffer when a search needs it (not at every step).
+  ``auto`` picks faiss-gpu, else faiss-cpu, else numpy.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kernels import normalise_kernel
+from .kernels import normalise_kernel, retrieve_kernel
 
 _GPU_TEMP_MEMORY = 64 << 20  # faiss reserves up to 1.5 GiB of scratch by default
 
@@ -65,6 +74,15 @@ class Hits:
     scores: np.ndarray  # float32 [k]
 
 
+@dataclass(frozen=True)
+class NextHits:
+    """`VectorIndex.search_next`'s hits, best first, as Python lists."""
+
+    positions: list[int]
+    scores: list[float]
+    agree: list[int]  # tokens up to the root the context before each hit agrees with
+
+
 MAX_PENDING = 64  # rows kept unstored at most (a prompt's chunk is stored at once)
 
 
@@ -79,6 +97,7 @@ class VectorIndex:
         self.backend = choose_backend(backend)
         self.center: np.ndarray | None = None
         self._pos = np.zeros(min(capacity, 1024), dtype=np.int64)
+        self._row_of = np.full(len(self._pos), -1, dtype=np.int32)  # position -> row
         self._n = 0
         # rows added but not stored yet (raw float32, copied here one after the other): one
         # row per decode step is stored in a batch when a search needs them, not one faiss
@@ -86,16 +105,16 @@ class VectorIndex:
         self._stage = np.empty((MAX_PENDING, dim), dtype=np.float32)
         self._staged = 0
         self._stored = 0
-        self._buf: np.ndarray | None = None
-        self._faiss_index = None
+        self._buf = np.zeros((len(self._pos), dim), dtype=np.float16)
+        self._faiss_index = None  # made, and filled from the buffer, when `search` needs it
+        self._faiss_n = 0  # rows of the buffer in it
         self._gpu_res = None
         self._result_arrays: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._kernel = normalise_kernel()  # None: numpy normalises
+        self._retrieve = retrieve_kernel()  # None: search_next in numpy
         self._scratch: np.ndarray | None = None  # the compiled kernel's rows of a step
-        if self.backend == "numpy":
-            self._buf = np.zeros((len(self._pos), dim), dtype=np.float16)
-        else:
-            self._faiss_index = self._new_faiss_index()
+        self._query = np.empty(dim, np.float32)  # search_next's normalised query
+        self._next_out: tuple | None = None  # see _next_addresses
 
     # -- construction helpers -------------------------------------------------------------
     def _new_faiss_index(self):
@@ -150,6 +169,7 @@ class VectorIndex:
         if self.center is None:
             self.center = (np.ascontiguousarray(x.mean(axis=0), dtype=np.float32)
                            if len(x) > 1 else np.zeros(self.dim, np.float32))
+            self._next_out = None
 
     def _flush(self, query: np.ndarray | None = None) -> np.ndarray | None:
         """Store the pending rows; with a `query` (a raw row), normalise it along with them
@@ -169,14 +189,21 @@ class VectorIndex:
 
     def _store(self, x: np.ndarray) -> None:
         """Store normalised rows after those stored already."""
-        if self._buf is not None:
-            self._buf[self._stored: self._stored + len(x)] = x
-        elif self.backend == "faiss-cpu":  # the SWIG call itself (see search)
-            x = np.ascontiguousarray(x, dtype=np.float32)
-            self._faiss_index.add_c(len(x), _faiss().swig_ptr(x))
-        else:
-            self._faiss_index.add(x)
+        self._buf[self._stored: self._stored + len(x)] = x
         self._stored += len(x)
+
+    def _faiss_synced(self):
+        """The faiss index, with every stored row in it."""
+        if self._faiss_index is None:
+            self._faiss_index, self._faiss_n = self._new_faiss_index(), 0
+        if self._faiss_n < self._stored:
+            x = np.ascontiguousarray(self._buf[self._faiss_n: self._stored], dtype=np.float32)
+            if self.backend == "faiss-cpu":  # the SWIG call itself (see search)
+                self._faiss_index.add_c(len(x), _faiss().swig_ptr(x))
+            else:
+                self._faiss_index.add(x)
+            self._faiss_n = self._stored
+        return self._faiss_index
 
     def _grow(self, need: int) -> None:
         if need <= len(self._pos):
@@ -185,10 +212,18 @@ class VectorIndex:
         pos = np.zeros(size, dtype=np.int64)
         pos[: self._n] = self._pos[: self._n]
         self._pos = pos
-        if self._buf is not None:
-            buf = np.zeros((size, self.dim), dtype=np.float16)
-            buf[: self._n] = self._buf[: self._n]
-            self._buf = buf
+        buf = np.zeros((size, self.dim), dtype=np.float16)
+        buf[: self._stored] = self._buf[: self._stored]
+        self._buf = buf
+        self._next_out = None
+
+    def _cover(self, position: int) -> None:
+        """Make the position -> row map reach `position` (new entries: no row)."""
+        if position >= len(self._row_of):
+            row_of = np.full(max(position + 1, 2 * len(self._row_of)), -1, np.int32)
+            row_of[: len(self._row_of)] = self._row_of
+            self._row_of = row_of
+            self._next_out = None
 
     # -- API --------------------------------------------------------------------------------
     def add(self, rows: np.ndarray, positions: np.ndarray | list[int] | int) -> None:
@@ -218,12 +253,21 @@ class VectorIndex:
             self._centre_on(x)
         if self._n + k > len(self._pos):
             self._grow(self._n + k)
+        n = self._n
         if start is None:
-            self._pos[self._n: self._n + k] = positions
+            self._pos[n: n + k] = positions
+            if k:
+                self._cover(int(positions.max()))
+                self._row_of[positions] = np.arange(n, n + k, dtype=np.int32)
         elif k == 1:
-            self._pos[self._n] = start
+            self._pos[n] = start
+            if start >= len(self._row_of):
+                self._cover(start)
+            self._row_of[start] = n
         else:
-            self._pos[self._n: self._n + k] = range(start, start + k)
+            self._pos[n: n + k] = range(start, start + k)
+            self._cover(start + k - 1)
+            self._row_of[start: start + k] = range(n, n + k)
         self._n += k
         if self._staged + k > MAX_PENDING:
             self._flush()
@@ -242,20 +286,91 @@ class VectorIndex:
         if k <= 0:
             return Hits(np.zeros(0, np.int64), np.zeros(0, np.float32))
         q = self._flush(query)  # the rows added since the last search, and the query
-        if self._buf is not None:
+        if self.backend == "numpy":
             scores = self._buf[: self._n].astype(np.float32) @ q[0]
             top = np.argpartition(-scores, k - 1)[:k] if k < self._n else np.arange(self._n)
             top = top[np.lexsort((top, -scores[top]))]
             return Hits(self._pos[top], scores[top].astype(np.float32))
+        index = self._faiss_synced()
         if self.backend == "faiss-cpu":  # the SWIG call itself: the Python wrapper
             d, i = self._results(k)  # converts and allocates on every call
             faiss = _faiss()
-            self._faiss_index.search_c(1, faiss.swig_ptr(q), k, faiss.swig_ptr(d),
-                                       faiss.swig_ptr(i), None)
+            index.search_c(1, faiss.swig_ptr(q), k, faiss.swig_ptr(d), faiss.swig_ptr(i),
+                           None)
         else:
-            d, i = self._faiss_index.search(q, k)
+            d, i = index.search(q, k)
         ok = i[0] >= 0
         return Hits(self._pos[i[0][ok]], d[0][ok].astype(np.float32))
+
+    def search_next(self, query: np.ndarray, tokens: np.ndarray, root: int, k: int,
+                    min_score: float, max_agree: int) -> NextHits:
+        """Among the positions j of `tokens` (the context: position n is the known next
+        token `root`) that `root` follows (tokens[j + 1] == root, with a token after it,
+        j + 2 < n) and that have a row here, the at most k most similar to `query` (a raw
+        hidden row) with a similarity of at least `min_score`, best first (ties: the
+        earlier position); with each, how many tokens up to the root the context before
+        it agrees with the context's end (1 + matching tokens, at most `max_agree`). Only
+        those rows are read; the rows waiting to be stored are stored first."""
+        if np.size(query) != self.dim:
+            raise ValueError(f"query has {np.size(query)} values: accepted is one row of "
+                             f"{self.dim}")
+        n = len(tokens)
+        if self._n == 0 or n < 3 or k <= 0:
+            return NextHits([], [], [])
+        if self._retrieve is None:
+            return self._search_next_numpy(query, tokens, root, k, min_score, max_agree)
+        if n > len(self._row_of):
+            self._cover(n)
+        toks = tokens if (tokens.dtype == np.int32 and tokens.flags.c_contiguous) else \
+            np.ascontiguousarray(tokens, dtype=np.int32)
+        q = query if (query.dtype == np.float32 and query.flags.c_contiguous) else \
+            np.ascontiguousarray(query, dtype=np.float32)
+        out = self._next_out
+        if out is None or len(out[0]) < k:
+            out = self._next_addresses(max(k, 0 if out is None else len(out[0])))
+        staged = self._staged
+        got = self._retrieve(out[3][0], staged, q.ctypes.data, self.dim, out[3][1],
+                             out[4][0], self._stored, out[3][2], toks.ctypes.data, n,
+                             int(root), out[4][1], k, min_score, max_agree, *out[3][3:])
+        self._stored += staged
+        self._staged = 0
+        return NextHits(out[0][:got].tolist(), out[1][:got].tolist(), out[2][:got].tolist())
+
+    def _next_addresses(self, k: int) -> tuple:
+        """search_next's arrays of k hits, and the addresses the kernel is given (taken
+        once: reading an array's address costs more than the kernel's work on a few rows):
+        (positions, scores, agree, (stage, centre, query, positions, scores, agree),
+        (buffer, position map)); forgotten (None) where the buffer, the map or the centre
+        is replaced."""
+        pos, scores, agree = np.empty(k, np.int64), np.empty(k, np.float32), \
+            np.empty(k, np.int64)
+        fixed = (self._stage.ctypes.data, self.center.ctypes.data, self._query.ctypes.data,
+                 pos.ctypes.data, scores.ctypes.data, agree.ctypes.data)
+        self._next_out = (pos, scores, agree, fixed,
+                          (self._buf.ctypes.data, self._row_of.ctypes.data))
+        return self._next_out
+
+    def _search_next_numpy(self, query: np.ndarray, tokens: np.ndarray, root: int, k: int,
+                           min_score: float, max_agree: int) -> NextHits:
+        """`search_next` without the compiled kernel."""
+        q = self._flush(query)[0]
+        n = len(tokens)
+        cand = np.flatnonzero(tokens[1: n - 1] == root)
+        cand = cand[cand < len(self._row_of)]
+        rows = self._row_of[cand]
+        ok = (rows >= 0) & (rows < self._stored)
+        cand, rows = cand[ok], rows[ok]
+        scores = self._buf[rows].astype(np.float32) @ q
+        ok = scores >= min_score
+        cand, scores = cand[ok], scores[ok]
+        top = np.lexsort((cand, -scores))[:k]
+        positions, agree = cand[top].tolist(), []
+        for j in positions:
+            a = 1  # the root itself; then the tokens before it
+            while a < max_agree and j - a + 1 >= 0 and tokens[j - a + 1] == tokens[n - a]:
+                a += 1
+            agree.append(a)
+        return NextHits(positions, scores[top].tolist(), agree)
 
     def _results(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Arrays a search of k hits writes into (reused: its hits are copied out)."""
@@ -273,20 +388,20 @@ class VectorIndex:
         if not np.all(self._pos[:keep] < n):
             raise ValueError("index positions are not in increasing order; cannot truncate")
         self._flush()
-        if self._faiss_index is not None:
+        self._row_of[self._pos[keep: self._n]] = -1
+        if self._faiss_n > keep:
             if self.backend == "faiss-cpu":
                 faiss = _faiss()
-                self._faiss_index.remove_ids(faiss.IDSelectorRange(keep, self._n))
-            else:  # GPU flat indexes cannot remove: rebuild from what is kept
-                kept = self._faiss_index.reconstruct_n(0, keep) if keep else None
-                self._faiss_index = self._new_faiss_index()
-                if kept is not None:
-                    self._faiss_index.add(kept)
+                self._faiss_index.remove_ids(faiss.IDSelectorRange(keep, self._faiss_n))
+                self._faiss_n = keep
+            else:  # GPU flat indexes cannot remove: refilled from the buffer when needed
+                self._faiss_index, self._faiss_n = None, 0
         self._n = self._stored = keep
 
     def clear(self) -> None:
         self.truncate(0)
         self.center = None
+        self._next_out = None
 
     def copy_from(self, other: VectorIndex, n: int) -> None:
         """Become the first `n` rows of `other` (positions < n), stored rows and centre
@@ -297,21 +412,20 @@ class VectorIndex:
         other_keep = int(np.count_nonzero(other._pos[: other._n] < n))
         self.clear()
         self.center = None if other.center is None else other.center.copy()
+        self._next_out = None
         if other_keep == 0:
             return
-        if other._buf is not None:
-            rows = other._buf[:other_keep].astype(np.float32)
-        else:
-            rows = other._faiss_index.reconstruct_n(0, other_keep)
         self._grow(other_keep)
-        self._pos[:other_keep] = other._pos[:other_keep]
-        if self._buf is not None:
-            self._buf[:other_keep] = rows
-        else:
-            self._faiss_index.add(np.ascontiguousarray(rows, dtype=np.float32))
+        pos = other._pos[:other_keep]
+        self._pos[:other_keep] = pos
+        self._buf[:other_keep] = other._buf[:other_keep]
+        self._cover(int(pos.max()))
+        self._row_of[pos] = np.arange(other_keep, dtype=np.int32)
         self._n = self._stored = other_keep
 
     def memory_bytes(self, n: int | None = None) -> int:
-        """Bytes held for `n` vectors (default: the capacity): fp16 vectors + int64 positions."""
+        """Bytes held for `n` vectors (default: the capacity): fp16 vectors, int64 positions
+        and the int32 map back (a faiss index, when `search` is used, holds another copy of
+        the vectors)."""
         n = self.capacity if n is None else n
-        return n * (self.dim * 2 + 8)
+        return n * (self.dim * 2 + 12)

@@ -59,6 +59,11 @@ def library() -> ctypes.CDLL | None:
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                    ctypes.c_void_p]
+    fn = lib.srsd_retrieve
+    fn.restype = ctypes.c_int64
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [p, i64, p, i64, p, p, i64, p, p, i64, ctypes.c_int32, p, i64,
+                   ctypes.c_float, i64, p, p, p]
     return lib
 
 
@@ -121,3 +126,11 @@ class NormaliseKernel:
 def normalise_kernel() -> NormaliseKernel | None:
     lib = library()
     return None if lib is None else NormaliseKernel(lib)
+
+
+def retrieve_kernel():
+    """The index's search among the positions a known next token follows, with the rows
+    waiting to be stored stored first, in one compiled call (`srsd_retrieve` in
+    _kernels.c; see VectorIndex.search_next), or None without a build."""
+    lib = library()
+    return None if lib is None else lib.srsd_retrieve
