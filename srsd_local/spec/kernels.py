@@ -14,7 +14,9 @@ the other throughout.
 
 The index's rows (centred, unit length, rounded through float16) take numpy ten calls; the
 kernel one, with the same float16 rounding (the length may differ in its last bit: the sum
-is taken in another order).
+is taken in another order). Retrieval's search takes one more: the rows waiting to be
+stored are stored (as float16), the query normalised, and only the rows of the positions
+the known next token follows scored, their top k kept (srsd_retrieve).
 """
 
 from __future__ import annotations
