@@ -120,6 +120,18 @@ def test_the_index_finds_the_same_hits_compiled_and_in_numpy_on_real_hidden_rows
         h, r = fast.search(rows[q], 5), ref.search(rows[q], 5)
         assert h.positions.tolist() == r.positions.tolist() and h.positions[0] == q
         np.testing.assert_allclose(h.scores, r.scores, atol=2e-3)
+    # the search among the positions a token follows: the same compiled and in numpy, the
+    # position itself first, and what the full search finds there, in its order
+    ref._retrieve = None
+    toks = np.asarray(ids, np.int32)
+    for q in (3, 9, len(rows) // 2, len(rows) - 3):
+        root = int(toks[q + 1])
+        h = fast.search_next(rows[q], toks, root, 4, -1.0, 8)
+        r = ref.search_next(rows[q], toks, root, 4, -1.0, 8)
+        assert h.positions == r.positions and h.positions[0] == q and h.agree == r.agree
+        np.testing.assert_allclose(h.scores, r.scores, atol=2e-3)
+        full = fast.search(rows[q], len(rows)).positions.tolist()
+        assert h.positions == [j for j in full if j + 2 < len(toks) and toks[j + 1] == root][:4]
 
 
 def test_decode_splits_batches_larger_than_n_batch(backend):
@@ -344,6 +356,20 @@ def test_speculative_greedy_equals_plain_at_every_position(fixed_trees, mode):
     rep = engine.verify_output(prompt, spec.token_ids)
     assert rep.ok, rep.summary()
     assert rep.positions == len(spec.token_ids) == len(plain.token_ids)
+
+
+@pytest.mark.parametrize("search", ["next", "all"])
+def test_both_retrieval_searches_draft_an_edit_and_equal_plain(fixed_trees, search):
+    engine = fixed_trees
+    prompt = edit_prompt()
+    plain = engine.generate(prompt, max_tokens=96, mode="ar")
+    engine.reconfigure(retrieval_search=search)
+    try:
+        spec = engine.generate(prompt, max_tokens=96, mode="retrieval")
+    finally:
+        engine.reconfigure(retrieval_search="next")
+    assert spec.stats.mean_accepted_length > 1.5, "an edit prompt must accept drafts"
+    assert spec.token_ids == plain.token_ids or engine.verify_output(prompt, spec.token_ids).ok
 
 
 def test_text_lookup_drafts_are_verified_and_accepted_on_the_real_model(fixed_trees,
