@@ -426,13 +426,18 @@ def _outcomes(model: AcceptanceModel) -> tuple[float, float]:
     return sum(a for a, _ in got), sum(n for _, n in got)
 
 
+# a context in which the roots the tests draft after it follow its last token somewhere
+# before (19 4, 6 9 and 4 5): a backed-off request drafts at every step the test allows
+_CTX = np.array([19, 4, 6, 9, 4, 5, 16, 17, 18, 19], dtype=np.int32)
+
+
 def _fixed_speculator(cost: CostModel) -> tuple[Speculator, np.ndarray]:
     for n, seconds in zip(cost.sizes[1:], cost.seconds[1:]):  # confirmed: no exploration
         cost.observe(int(n), float(seconds))
     cfg = SRSDConfig()
     spec = Speculator(cfg, cost=cost)
     spec.drafters["srsd"] = _FixedDrafter(cfg, [[5, 6, 7], [8]])
-    return spec, np.arange(10, 20, dtype=np.int32)
+    return spec, _CTX.copy()
 
 
 def test_nodes_of_a_declined_tree_are_learned_once_the_emitted_tokens_tell_their_outcome():
@@ -492,6 +497,45 @@ def test_a_sampled_request_backed_off_leaves_its_plain_steps_out_of_the_index():
     assert not spec.indexes(spec.begin("ar", greedy=True))  # (no index at all)
 
 
+class _CountingDrafter(_FixedDrafter):
+    def __init__(self, config: SRSDConfig, paths: list[list[int]]) -> None:
+        super().__init__(config, paths)
+        self.calls = 0
+
+    def propose(self, inp: DraftInput) -> list:
+        self.calls += 1
+        return super().propose(inp)
+
+
+def test_a_backed_off_request_drafts_only_where_the_root_follows_the_last_token_before():
+    dear = CostModel([1, 2, 64], [0.010, 0.5, 5.0])  # every plan is declined
+    spec, _ = _fixed_speculator(dear)
+    drafter = spec.drafters["srsd"] = _CountingDrafter(spec.config, [[5, 6, 7]])
+    req = spec.begin("srsd", greedy=True)
+    fresh = np.array([10, 11, 12, 13], dtype=np.int32)  # nothing in it is followed by 4
+    assert spec.propose(req, DraftInput(fresh, 4, None, None), room=8) is None
+    assert drafter.calls == 1 and req.declined == 1  # not backed off yet: drafted
+    req.skip = 0
+    assert spec.propose(req, DraftInput(fresh, 4, None, None), room=8) is None
+    assert drafter.calls == 1  # backed off and 13 4 never occurred: no drafting
+    assert req.declined == 2 and req.skip == 2  # ... counted as a declined attempt
+    assert req.unverified is not None  # the declined tree's outcome is left for later
+    req.skip = 0
+    seen = np.array([13, 4, 11, 12, 13], dtype=np.int32)  # 13 4 occurred before
+    spec.propose(req, DraftInput(seen, 4, None, None), room=8)
+    assert drafter.calls == 2 and req.declined == 3
+    # what an output constraint forces is drafted whatever the back-off
+    req.skip = 0
+    spec.propose(req, DraftInput(fresh, 4, None, None, forced=[5]), room=8)
+    assert drafter.calls == 3
+    # the gate is the srsd mode's: the n-gram mode drafts when its back-off has run out
+    ngram = spec.begin("ngram", greedy=True)
+    ngram.declined = 1
+    spec.drafters["ngram"] = counted = _CountingDrafter(spec.config, [[5, 6, 7]])
+    spec.propose(ngram, DraftInput(fresh, 4, None, None), room=8)
+    assert counted.calls == 1
+
+
 def test_exploring_stale_costs_gets_rarer_where_the_estimates_hold_until_a_surprise():
     cfg = SRSDConfig()
     # never confirmed by a step of their size: stale
@@ -508,7 +552,7 @@ def test_exploring_stale_costs_gets_rarer_where_the_estimates_hold_until_a_surpr
 
     cost.plan_table = spy  # type: ignore[method-assign]
     req = spec.begin("srsd", greedy=True)
-    ctx = np.arange(10, 20, dtype=np.int32)
+    ctx = _CTX
 
     def run(steps: int) -> None:
         for _ in range(steps):

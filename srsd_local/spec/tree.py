@@ -82,19 +82,25 @@ class TokenTree:
                ) -> None:
         """Add a draft that follows the root; shared prefixes are stored once. `agree` is
         how many context tokens up to the root matched where the draft was found; `origin`
-        is the bit of the source that proposed it."""
+        is the bit of the source that proposed it. (Locals bound once, a draft's array
+        turned into Python ints in one call: this runs for every draft of every step.)"""
+        if isinstance(path, np.ndarray):
+            path = path.tolist()
+        kids, weights, counts, agrees, origins = (self._children, self.weights, self.counts,
+                                                  self.agree, self.origin)
+        weights[0] += weight
+        counts[0] += 1
+        origins[0] |= origin
         node = 0
-        self.weights[0] += weight
-        self.counts[0] += 1
-        self.origin[0] |= origin
         for tok in path:
-            nxt = self._children[node].get(int(tok))
+            nxt = kids[node].get(tok)
             if nxt is None:
-                nxt = self.add_node(node, int(tok))
-            self.weights[nxt] += weight
-            self.counts[nxt] += 1
-            self.agree[nxt] = max(self.agree[nxt], agree)
-            self.origin[nxt] |= origin
+                nxt = self.add_node(node, tok)
+            weights[nxt] += weight
+            counts[nxt] += 1
+            if agrees[nxt] < agree:
+                agrees[nxt] = agree
+            origins[nxt] |= origin
             node = nxt
 
     def path_tokens(self, node: int) -> list[int]:
