@@ -572,11 +572,11 @@ class Engine:
             seq_ids = [ids for w in works for ids in w.seq_ids]
             flags = np.concatenate([np.asarray(w.flags, np.int8) for w in works])
         self._set_capture(any(w.capture or w.prefill for w in works))
-        out = self.backend.decode(tokens, positions=positions, seq_ids=seq_ids,
+        rows = [int(np.count_nonzero(w.flags)) for w in works]  # (before the pass flushes
+        out = self.backend.decode(tokens, positions=positions, seq_ids=seq_ids,  # caches)
                                   want_logits=flags)
         row = tok = 0
-        for w in works:
-            k = int(np.count_nonzero(w.flags))
+        for w, k in zip(works, rows):
             w.logits = out.logits[row: row + k]
             w.sampled = None if out.sampled is None else out.sampled[row: row + k]
             w.hidden = None if out.hidden is None else out.hidden[tok: tok + len(w)]

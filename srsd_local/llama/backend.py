@@ -193,6 +193,7 @@ class Backend:
             # the logits of a row sampled in llama.cpp's graph (not copied out)
             self._no_rows = np.broadcast_to(np.float32(np.nan), (1, self.n_vocab))
             self._one_token = np.zeros(1, np.int32)  # its token (reused: like a logits view)
+            self._nan_views: dict[int, np.ndarray] = {}
             self.n_embd = L.llama_model_n_embd(self.model)
             self.n_layer = L.llama_model_n_layer(self.model)
             self.layer = None
@@ -237,6 +238,7 @@ class Backend:
             self._b_pos = np.ctypeslib.as_array(self._batch.pos, shape=(cap,))
             self._b_nseq = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(cap,))
             self._b_logits = np.ctypeslib.as_array(self._batch.logits, shape=(cap,))
+            self._tokens_buf = np.zeros(cap, np.int32)  # a call's in-graph sampled tokens
             # the plain step writes its one token, and every step its rows' sequence ids,
             # through ctypes pointers (fewer calls into numpy on caches a forward pass just
             # flushed)
@@ -478,23 +480,29 @@ class Backend:
         toks = np.asarray(tokens, dtype=np.int32)
         cap = self.n_batch
         logits_parts, hidden_parts, sampled_parts = [], [], []
+        any_sampled = False
         for s in range(0, n, cap):
             e = min(n, s + cap)
             ids = None if seq_ids is None else seq_ids[s:e]
             self._fill(toks[s:e], pos[s:e], ids, flags[s:e])
+            # what the rows will be is known before the pass: worked out now, while the
+            # caches still hold this code (a forward pass flushes them)
+            n_out = int(np.count_nonzero(flags[s:e]))
+            plan = (self._graph_plan(e - s, ids) if n_out and self.graph_seqs and
+                    ids is not None and self._graph_batch(ids) else None)
             if self.capture is not None:
                 self.capture.reset()
             self._decode_batch(e - s)
-            n_out = int(np.count_nonzero(flags[s:e]))
             raw = True
-            if n_out and self.graph_seqs and ids is not None and self._graph_batch(ids):
-                raw, got = self._sampled(e - s, ids)
+            if plan is not None:
+                raw, got, some = self._sampled(plan)
+                any_sampled = any_sampled or some
                 sampled_parts.append(got)
             if n_out and raw:  # a view of llama.cpp's buffer: the next call overwrites it
                 view = self._logits(n_out)
                 logits_parts.append(view if e == n else view.copy())
             elif n_out:  # not copied out by llama.cpp: every row was sampled in its graph
-                logits_parts.append(np.broadcast_to(np.float32(np.nan), (n_out, self.n_vocab)))
+                logits_parts.append(self._nan_rows(n_out))
             if self.capture is not None:
                 hidden_parts.append(self._captured())
         if seq_ids is None:  # a plain decode of sequence 0; tree passes end with commit()
@@ -506,7 +514,7 @@ class Backend:
         if hidden_parts and all(h is not None for h in hidden_parts):
             hidden = hidden_parts[0] if len(hidden_parts) == 1 else np.concatenate(hidden_parts)
         sampled = None
-        if any(len(p) and p.max() >= 0 for p in sampled_parts):
+        if any_sampled:
             sampled = np.concatenate(sampled_parts) if len(sampled_parts) > 1 else \
                 sampled_parts[0]
         return DecodeOutput(logits=logits, hidden=hidden, sampled=sampled)
@@ -517,34 +525,64 @@ class Backend:
         graph, flags = self.graph_seqs, self._b_logits
         return any(flags[i] and ids[0] in graph for i, ids in enumerate(seq_ids))
 
-    def _sampled(self, m: int, seq_ids: Sequence[Sequence[int]]) -> tuple[bool, np.ndarray]:
-        """After a llama_decode call of the batch's first m rows (`seq_ids`: theirs): whether
-        llama.cpp copied the logits rows out, and the in-graph sampled token of each output
-        row or -1 (a recorded or served call's as its recording holds it). llama.cpp copies
-        the rows unless every output row's sequences all have a sampler; a row's sampler is
-        its first sequence's."""
+    def _graph_plan(self, m: int, seq_ids: Sequence[Sequence[int]] | None = None
+                    ) -> tuple[bool, list[int]]:
+        """For a llama_decode call of the batch's first m rows (`seq_ids`: theirs, read
+        back from the batch when not given), known before it runs: whether llama.cpp
+        copies the logits rows out (unless every output row's sequences all have a
+        sampler), and per output row the batch row whose in-graph sampled token is read
+        after it (-1: not sampled; a row's sampler is its first sequence's)."""
+        graph, seqs, nseq = self.graph_seqs, self._p_seq, self._b_nseq
+        raw, rows = False, []
+        for i, flag in enumerate(self._b_logits[:m].tolist()):
+            if not flag:
+                continue
+            ids = (seq_ids[i] if seq_ids is not None else
+                   [seqs[i][j] for j in range(int(nseq[i]))])
+            if not raw and any(q not in graph for q in ids):
+                raw = True
+            rows.append(i if ids[0] in graph else -1)
+        return raw, rows
+
+    def _sampled(self, plan: tuple[bool, list[int]]) -> tuple[bool, np.ndarray, bool]:
+        """After the llama_decode call `plan` (_graph_plan) was made for: whether llama.cpp
+        copied the logits rows out, the in-graph sampled token of each output row or -1 (a
+        recorded or served call's as its recording holds it), and whether any row has one.
+        The tokens are a view of a buffer the next call overwrites, as logits rows are."""
         rep = self.replay
-        raw, got = (rep.sampled_rows() if rep is not None else
-                    self.graph_outputs(m, seq_ids))
-        self.graph_rows += int(np.count_nonzero(got >= 0))
-        return raw, got
+        if rep is not None:
+            raw, got = rep.sampled_rows()
+            some = int(np.count_nonzero(got >= 0))
+        else:
+            raw, rows = plan
+            got = self._tokens_buf[: len(rows)]
+            get, ctx = self._L.llama_get_sampled_token_ith, self.ctx
+            some = 0
+            for k, i in enumerate(rows):
+                if i >= 0:
+                    got[k] = get(ctx, i)
+                    some += 1
+                else:
+                    got[k] = -1
+        self.graph_rows += some
+        return raw, got, some > 0
 
     def graph_outputs(self, m: int, seq_ids: Sequence[Sequence[int]] | None = None
                       ) -> tuple[bool, np.ndarray]:
         """`_sampled`'s answer read from llama.cpp for the batch's first m rows (their
-        sequence ids read back from the batch when not given)."""
-        graph, L, seqs, nseq = self.graph_seqs, self._L, self._p_seq, self._b_nseq
-        out_rows = np.flatnonzero(self._b_logits[:m])
-        raw = False
-        got = np.full(len(out_rows), -1, dtype=np.int32)
-        for k, i in enumerate(out_rows.tolist()):
-            ids = (seq_ids[i] if seq_ids is not None else
-                   [seqs[i][j] for j in range(int(nseq[i]))])
-            if any(q not in graph for q in ids):
-                raw = True
-            if ids[0] in graph:
-                got[k] = L.llama_get_sampled_token_ith(self.ctx, i)
-        return raw, got
+        sequence ids read back from the batch when not given), in a new array."""
+        raw, rows = self._graph_plan(m, seq_ids)
+        get, ctx = self._L.llama_get_sampled_token_ith, self.ctx
+        return raw, np.array([get(ctx, i) if i >= 0 else -1 for i in rows], dtype=np.int32)
+
+    def _nan_rows(self, n_out: int) -> np.ndarray:
+        """The logits of n_out rows sampled in llama.cpp's graph (not copied out): NaN, one
+        read-only view per row count."""
+        view = self._nan_views.get(n_out)
+        if view is None:
+            view = self._nan_views[n_out] = np.broadcast_to(np.float32(np.nan),
+                                                            (n_out, self.n_vocab))
+        return view
 
     def step(self, token: int) -> DecodeOutput:
         """Decode one token of sequence 0 at n_past with its logits: the plain step, without
