@@ -197,6 +197,30 @@ def test_in_graph_tokens_are_numpys_argmax_and_only_llamas_sampler_copies_rows(
 
 
 
+def test_in_graph_tokens_of_a_batch_split_into_several_llama_decode_calls(model_path):
+    """A decode longer than n_batch runs as several llama_decode calls: each call's sampled
+    tokens are kept (the buffer they are read into is reused by the next call), so the
+    whole batch's tokens are the rows' argmax, as one call gives them."""
+    import numpy as np
+
+    from srsd_local.llama.backend import Backend
+
+    cfg = SRSDConfig(n_ctx=1024, sample_in_graph=True, max_branches=2, max_nodes=4,
+                     n_batch=5, n_ubatch=5, pld_draft_len=3)  # (5: max_nodes + 1 rows)
+    be = Backend(model_path, cfg)
+    try:
+        g = min(be.graph_seqs)
+        toks = be.tokenize(EDIT.prompt)[:17]
+        pos = list(range(len(toks)))
+        out = be.decode(toks, pos, seq_ids=[[g]] * len(toks), want_logits="all")
+        assert out.sampled is not None and len(out.sampled) == len(toks)
+        be.seq_trim(g, 0)
+        ref = be.decode(toks, pos, seq_ids=[[0]] * len(toks), want_logits="all").logits
+        assert out.sampled.tolist() == np.argmax(ref, axis=1).tolist()
+    finally:
+        be.close()
+
+
 def test_a_greedy_request_is_sampled_in_graph_on_its_main_sequence(model_path, monkeypatch):
     """By default (on a CPU too): a greedy request's main sequence carries a greedy sampler,
     so its plain steps and its chains come back as token ids (no logits row copied out, no

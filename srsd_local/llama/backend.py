@@ -497,7 +497,7 @@ class Backend:
             if plan is not None:
                 raw, got, some = self._sampled(plan)
                 any_sampled = any_sampled or some
-                sampled_parts.append(got)
+                sampled_parts.append(got if e == n else got.copy())  # (a reused buffer)
             if n_out and raw:  # a view of llama.cpp's buffer: the next call overwrites it
                 view = self._logits(n_out)
                 logits_parts.append(view if e == n else view.copy())
