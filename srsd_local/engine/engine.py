@@ -520,6 +520,12 @@ class Engine:
         if not works:
             return
         be = self.backend
+        # what the cost model learns from the pass, but its time, is known before it (worked
+        # out now: the pass flushes the caches)
+        learn = self.config.adaptive and not any(w.prefill for _, w in works)
+        if learn:
+            n = sum(len(w) for _, w in works)
+            ctx = sum(j.slot.n_past * len(w) for j, w in works) // n
         d0 = be.decode_seconds
         replay = be.replay  # (a recorded or replayed generation: see replay.py)
         if replay is not None:
@@ -540,9 +546,7 @@ class Engine:
         dt = be.decode_seconds - d0
         for _, w in works:
             w.decode_seconds = dt
-        if self.config.adaptive and not any(w.prefill for _, w in works):
-            n = sum(len(w) for _, w in works)
-            ctx = sum(j.slot.n_past * len(w) for j, w in works) // n
+        if learn:
             # replayed: what the recorded passes took, so that the decisions repeat
             seconds = (time.perf_counter() - t0 if replay is None else
                        replay.take_seconds())
