@@ -216,6 +216,31 @@ def _rss_mb(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
+def _has_error_event(text: str) -> bool:
+    """Whether a response body or event-stream text carries an error object: a top-level
+    `error` key in its JSON or in one of its `data:` events. Generated text may contain the
+    word "error" itself, so the JSON is parsed, not searched."""
+    docs = [line[5:].strip() for line in text.splitlines() if line.startswith("data:")]
+    for doc in docs or [text]:
+        try:
+            obj = json.loads(doc)
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and "error" in obj:
+            return True
+    return False
+
+
+def test_error_events_are_told_from_generated_text() -> None:
+    chunk = {"choices": [{"index": 0, "delta": {"content": "error"}}]}
+    assert not _has_error_event("data: " + json.dumps(chunk))
+    assert not _has_error_event(json.dumps({"choices": [{"text": '"error"'}]}))
+    err = {"error": {"message": "x", "type": "server_error", "param": None, "code": None}}
+    assert _has_error_event("data: " + json.dumps(err))
+    assert _has_error_event(json.dumps(err))
+    assert _has_error_event("data: " + json.dumps(chunk) + "\n\ndata: " + json.dumps(err))
+
+
 class Clients:
     """Concurrent clients doing what real ones do, dropping connections at random; they
     record every status (or 'dropped') they see."""
@@ -243,7 +268,7 @@ class Clients:
                     "prompt": prompt, "max_tokens": rng.randint(1, 24), "stream":
                     rng.random() < 0.5, "temperature": rng.choice([0, 0.8])})
                 self._note(r.status_code, r)
-                if '"error"' in r.text and r.status_code == 200:  # an error event
+                if r.status_code == 200 and _has_error_event(r.text):
                     self._note(500, r)
             elif kind == "stream-drop":
                 with httpx.stream("POST", b + "/v1/chat/completions", headers=h, timeout=120,
@@ -251,7 +276,7 @@ class Clients:
                                         "max_tokens": 400, "stream": True}) as r:
                     self._note(r.status_code, r if r.status_code >= 500 else None)
                     for i, line in enumerate(r.iter_lines()):
-                        if '"error"' in line:
+                        if _has_error_event(line):
                             self._note(500)
                             self.errors.append(line[:300])
                         if i >= rng.randint(1, 20):
