@@ -191,9 +191,9 @@ class Backend:
             self.vocab = L.llama_model_get_vocab(self.model)
             self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
             # the logits of a row sampled in llama.cpp's graph (not copied out)
-            self._no_rows = np.broadcast_to(np.float32(np.nan), (1, self.n_vocab))
-            self._one_token = np.zeros(1, np.int32)  # its token (reused: like a logits view)
             self._nan_views: dict[int, np.ndarray] = {}
+            self._no_rows = self._nan_rows(1)
+            self._one_token = np.zeros(1, np.int32)  # its token (reused: like a logits view)
             self.n_embd = L.llama_model_n_embd(self.model)
             self.n_layer = L.llama_model_n_layer(self.model)
             self.layer = None
@@ -489,7 +489,9 @@ class Backend:
             # caches still hold this code (a forward pass flushes them)
             n_out = int(np.count_nonzero(flags[s:e]))
             plan = (self._graph_plan(e - s, ids) if n_out and self.graph_seqs and
-                    ids is not None and self._graph_batch(ids) else None)
+                    ids is not None else None)
+            if plan is not None and max(plan[1]) < 0:  # no output row is sampled in graph
+                plan = None
             if self.capture is not None:
                 self.capture.reset()
             self._decode_batch(e - s)
@@ -518,12 +520,6 @@ class Backend:
             sampled = np.concatenate(sampled_parts) if len(sampled_parts) > 1 else \
                 sampled_parts[0]
         return DecodeOutput(logits=logits, hidden=hidden, sampled=sampled)
-
-    def _graph_batch(self, seq_ids: Sequence[Sequence[int]]) -> bool:
-        """Whether a row of the batch filled last (`seq_ids`: its rows') is sampled in
-        llama.cpp's graph (its first sequence has a sampler)."""
-        graph, flags = self.graph_seqs, self._b_logits
-        return any(flags[i] and ids[0] in graph for i, ids in enumerate(seq_ids))
 
     def _graph_plan(self, m: int, seq_ids: Sequence[Sequence[int]] | None = None
                     ) -> tuple[bool, list[int]]:
@@ -556,24 +552,31 @@ class Backend:
         else:
             raw, rows = plan
             got = self._tokens_buf[: len(rows)]
-            get, ctx = self._L.llama_get_sampled_token_ith, self.ctx
-            some = 0
-            for k, i in enumerate(rows):
-                if i >= 0:
-                    got[k] = get(ctx, i)
-                    some += 1
-                else:
-                    got[k] = -1
+            some = self._read_sampled(rows, got)
         self.graph_rows += some
         return raw, got, some > 0
+
+    def _read_sampled(self, rows: Sequence[int], out: np.ndarray) -> int:
+        """Into `out`: the in-graph sampled token of each batch row in `rows` (-1 for -1)
+        after the last llama_decode call; how many were sampled."""
+        get, ctx = self._L.llama_get_sampled_token_ith, self.ctx
+        some = 0
+        for k, i in enumerate(rows):
+            if i >= 0:
+                out[k] = get(ctx, i)
+                some += 1
+            else:
+                out[k] = -1
+        return some
 
     def graph_outputs(self, m: int, seq_ids: Sequence[Sequence[int]] | None = None
                       ) -> tuple[bool, np.ndarray]:
         """`_sampled`'s answer read from llama.cpp for the batch's first m rows (their
         sequence ids read back from the batch when not given), in a new array."""
         raw, rows = self._graph_plan(m, seq_ids)
-        get, ctx = self._L.llama_get_sampled_token_ith, self.ctx
-        return raw, np.array([get(ctx, i) if i >= 0 else -1 for i in rows], dtype=np.int32)
+        got = np.empty(len(rows), np.int32)
+        self._read_sampled(rows, got)
+        return raw, got
 
     def _nan_rows(self, n_out: int) -> np.ndarray:
         """The logits of n_out rows sampled in llama.cpp's graph (not copied out): NaN, one
