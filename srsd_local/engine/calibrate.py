@@ -119,7 +119,7 @@ def seed_acceptance(eng: Any, prompts: Sequence, max_tokens: int,
                     progress: Callable[[str], None] = lambda s: None) -> list:
     """Acceptance counts from fixed trees (every node verified, so every kind of evidence of
     every draft source gets measured outcomes; the controller keeps learning online)."""
-    eng.speculator.acceptance.counts.clear()
+    eng.speculator.acceptance.clear()
     for mode in SEED_MODES:
         for p in prompts:
             eng.reset()

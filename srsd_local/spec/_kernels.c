@@ -232,3 +232,179 @@ int64_t srsd_retrieve(const float *stage, int64_t n_stage, const float *query, i
     }
     return got;
 }
+
+/* ---- the controller's plan (planner.py: choose, with acceptance.py's q_all) ------------
+ * The same arithmetic as the Python, in the same order (no contraction, no reassociation),
+ * so both choose the same nodes with the same probabilities. */
+
+#define KEY_DEPTHS 13 /* depths 0..MAX_KEY_DEPTH */
+#define KEY_RECENT 5  /* buckets of RECENT_EDGES */
+#define KEY_FINE 80   /* share (4) x strength (5) x agree (4) buckets */
+
+static int32_t bucket(double v, const double *edges, int32_t n) {
+    int32_t b = 0; /* bisect_right: the edges <= v */
+    while (b < n && edges[b] <= v) ++b;
+    return b;
+}
+
+static const double RECENT_EDGES[4] = {0.25, 0.5, 0.75, 0.9};
+static const double SHARE_EDGES[3] = {0.34, 0.67, 0.999};
+static const double STRENGTH_EDGES[4] = {0.4, 0.6, 0.8, 0.9};
+static const double AGREE_EDGES[3] = {2, 3, 5};
+
+/* Per node i >= 1 of a tree (ints: parents, depths, counts, agree, origin, n each; weights:
+ * n doubles): q (explore) and q_mean (the posterior mean), from the acceptance counts
+ * mirrored in tables: coarse[2 * c] = (accepted, tried) for coarse index
+ * c = ((src * 2 + greedy) * KEY_DEPTHS + min(depth, 12)) * KEY_RECENT + recent bucket;
+ * fine_row[c] its row in `fine` (-1: none), where fine[2 * (row * KEY_FINE + f)] holds the
+ * fine key f = (share * 5 + strength) * 4 + agree (buckets). src: src_of_bits[origin], or
+ * src0 for a node of no source; prior[src] its prior. Then choose()'s: q and q_mean
+ * normalised within each group of siblings that sums past 1, p = P(parent) * q, never more
+ * than the parent's (p with the depth scale, p_rep: q_mean with it, p_raw: q_mean without
+ * it), the nodes taken best-first (-p, depth, index) under max_branches and the cost
+ * table's size (n_cost entries, cost[k] for k tokens), and the count of them that
+ * maximises (1 + gain + sum p) / cost[k + 1]. Returns that count; kept_out: the nodes in
+ * the order taken (at least that many), p_rep_out / p_raw_out per node, key_out: per node
+ * its coarse index and fine key (2 n int32, srsd_learn's). work: 6 n doubles, iwork: 3 n
+ * int32. */
+int64_t srsd_plan(int64_t n, const int32_t *ints, const double *weights,
+                  const double *coarse, const int32_t *fine_row, const double *fine,
+                  const double *prior, const int32_t *src_of_bits, int32_t src0,
+                  int32_t greedy, double recent, double strength, double bonus,
+                  const double *scale, int64_t n_scale, const double *cost, int64_t n_cost,
+                  int64_t max_branches, double gain, double *work, int32_t *iwork,
+                  int32_t *kept_out, double *p_rep_out, double *p_raw_out,
+                  int32_t *key_out) {
+    const int32_t *parents = ints, *depths = ints + n, *counts = ints + 2 * n;
+    const int32_t *agree = ints + 3 * n, *origin = ints + 4 * n;
+    double *q = work, *qm = work + n, *tot = work + 2 * n, *totm = work + 3 * n;
+    double *raw = work + 4 * n, *raw_rep = work + 5 * n;
+    double *p = p_rep_out; /* (p lives there until p_rep is copied in at the end) */
+    int32_t *nkids = iwork, *order = iwork + n, *flags = iwork + 2 * n;
+    const int32_t root_count = counts[0] > 1 ? counts[0] : 1;
+    const int32_t rb = bucket(recent, RECENT_EDGES, 4);
+    for (int64_t i = 0; i < n; ++i) { tot[i] = 0.0; totm[i] = 0.0; nkids[i] = 0; }
+    q[0] = qm[0] = 1.0;
+    for (int64_t i = 1; i < n; ++i) {
+        const int32_t c = counts[i], o = origin[i];
+        const int32_t src = o ? src_of_bits[o & 255] : src0;
+        const double share = (double)c / (double)root_count;
+        const double str = weights[i] / (double)(c > 1 ? c : 1);
+        const int32_t d = depths[i] < KEY_DEPTHS - 1 ? depths[i] : KEY_DEPTHS - 1;
+        const int64_t ci = ((int64_t)(src * 2 + greedy) * KEY_DEPTHS + d) * KEY_RECENT + rb;
+        const double a_c = coarse[2 * ci], n_c = coarse[2 * ci + 1];
+        const double qc = (a_c + strength * prior[src]) / (n_c + strength);
+        const double bc = bonus / pow(1.0 + n_c, 0.5);
+        const int32_t f = (bucket(share, SHARE_EDGES, 3) * 5 +
+                           bucket(str, STRENGTH_EDGES, 4)) * 4 +
+                          bucket((double)agree[i], AGREE_EDGES, 3);
+        key_out[2 * i] = (int32_t)ci;
+        key_out[2 * i + 1] = f;
+        const int32_t row = fine_row[ci];
+        const double a_f = row >= 0 ? fine[2 * ((int64_t)row * KEY_FINE + f)] : 0.0;
+        const double n_f = row >= 0 ? fine[2 * ((int64_t)row * KEY_FINE + f) + 1] : 0.0;
+        const double mean = (a_f + strength * qc) / (n_f + strength);
+        const double ex = mean + bc;
+        qm[i] = mean;
+        q[i] = ex < 1.0 ? ex : 1.0;
+    }
+    const int chain = depths[n - 1] == n - 1;
+    if (!chain) { /* siblings exclude each other */
+        for (int64_t i = 1; i < n; ++i) {
+            tot[parents[i]] += q[i];
+            totm[parents[i]] += qm[i];
+            nkids[parents[i]] += 1;
+        }
+        for (int64_t i = 1; i < n; ++i) {
+            const int32_t par = parents[i];
+            if (nkids[par] > 1) {
+                if (tot[par] > 1.0) q[i] /= tot[par];
+                if (totm[par] > 1.0) qm[i] /= totm[par];
+            }
+        }
+    }
+    double *p_rep = tot, *p_raw = totm; /* (the sums are spent) */
+    raw[0] = raw_rep[0] = 1.0;
+    p[0] = p_rep[0] = p_raw[0] = 1.0;
+    const int64_t last = n_scale - 1;
+    for (int64_t i = 1; i < n; ++i) {
+        const int32_t par = parents[i], d = depths[i];
+        const double s = n_scale ? scale[d < last ? d : last] : 1.0;
+        double r = raw[par] * q[i];
+        raw[i] = r;
+        r *= s;
+        p[i] = (r < p[par] && r < 1.0) ? r : (1.0 < p[par] ? 1.0 : p[par]);
+        r = raw_rep[par] * qm[i];
+        raw_rep[i] = r;
+        p_raw[i] = (r < p_raw[par] && r < 1.0) ? r : (1.0 < p_raw[par] ? 1.0 : p_raw[par]);
+        r *= s;
+        p_rep[i] = (r < p_rep[par] && r < 1.0) ? r : (1.0 < p_rep[par] ? 1.0 : p_rep[par]);
+    }
+    int64_t n_kept = 0;
+    if (chain) {
+        const int64_t top = n < n_cost - 1 ? n : n_cost - 1;
+        for (int64_t i = 1; i < top; ++i) kept_out[n_kept++] = (int32_t)i;
+    } else {
+        int64_t m = 0; /* order: -p, then depth, then index (insertion sort: a few dozen) */
+        for (int64_t i = 1; i < n; ++i) {
+            int64_t j = m++;
+            while (j > 0) {
+                const int32_t o = order[j - 1];
+                const int before = p[i] > p[o] || (p[i] == p[o] &&
+                                   (depths[i] < depths[o] || (depths[i] == depths[o] && i < o)));
+                if (!before) break;
+                order[j] = o;
+                --j;
+            }
+            order[j] = (int32_t)i;
+        }
+        for (int64_t i = 0; i < n; ++i) flags[i] = 0; /* 1: taken, 2: has a child */
+        flags[0] = 1;
+        int64_t leaves = 1;
+        for (int64_t k = 0; k < m; ++k) {
+            if (n_kept >= n_cost - 2) break;
+            const int32_t node = order[k], par = parents[node];
+            if (!(flags[par] & 1)) continue;
+            const int opens = (flags[par] & 2) != 0;
+            if (opens && leaves >= max_branches) continue;
+            leaves += opens;
+            flags[par] |= 2;
+            flags[node] |= 1;
+            kept_out[n_kept++] = node;
+        }
+    }
+    int64_t best_k = 0;
+    double best_rate = (gain + 1.0) / cost[1], cum = gain;
+    for (int64_t k = 1; k <= n_kept; ++k) {
+        cum += p[kept_out[k - 1]];
+        const double rate = (1.0 + cum) / cost[k + 1];
+        if (rate > best_rate * (1.0 + 1e-9)) { best_k = k; best_rate = rate; }
+    }
+    for (int64_t i = 0; i < n; ++i) { p_raw_out[i] = p_raw[i]; p_rep_out[i] = p_rep[i]; }
+    return best_k;
+}
+
+/* One outcome per node (accepted[j] for nodes[j], whose coarse index and fine key srsd_plan
+ * wrote to keys) counted in the tables of srsd_plan under both keys, each pair halved once
+ * it has counted more than `horizon` (AcceptanceModel.update). The ids of the keys counted
+ * go to touched (2 per node: c * (KEY_FINE + 1) for the coarse key, + 1 + f for the fine
+ * one). Stops at a node whose coarse key has no fine row yet: returns the nodes counted. */
+int64_t srsd_learn(int64_t m, const int32_t *keys, const int32_t *nodes,
+                   const int32_t *accepted, double *coarse, const int32_t *fine_row,
+                   double *fine, double horizon, int32_t *touched) {
+    for (int64_t j = 0; j < m; ++j) {
+        const int32_t c = keys[2 * nodes[j]], f = keys[2 * nodes[j] + 1];
+        const int32_t row = fine_row[c];
+        if (row < 0) return j;
+        double *pairs[2] = {coarse + 2 * (int64_t)c, fine + 2 * ((int64_t)row * KEY_FINE + f)};
+        for (int k = 0; k < 2; ++k) {
+            double *v = pairs[k];
+            v[0] += accepted[j] ? 1.0 : 0.0;
+            v[1] += 1.0;
+            if (v[1] > horizon) { v[0] = v[0] / 2; v[1] = v[1] / 2; }
+        }
+        touched[2 * j] = c * (KEY_FINE + 1);
+        touched[2 * j + 1] = c * (KEY_FINE + 1) + 1 + f;
+    }
+    return m;
+}

@@ -4,6 +4,7 @@ from verification outcomes (Beta counts with back-off to coarser keys). Pure num
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,12 @@ STRENGTH_EDGES = (0.4, 0.6, 0.8, 0.9)
 AGREE_EDGES = (2, 3, 5)
 MAX_KEY_DEPTH = 12  # deeper nodes share the keys of this depth
 SEED_TRIALS = 10  # calibration seeds count at most this many outcomes per kind of node
+# the keys' shape in the compiled planner's tables (_kernels.c: KEY_DEPTHS, KEY_RECENT,
+# KEY_FINE)
+KEY_DEPTHS = MAX_KEY_DEPTH + 1
+KEY_RECENT = len(RECENT_EDGES) + 1
+FINE_SHAPE = (len(SHARE_EDGES) + 1, len(STRENGTH_EDGES) + 1, len(AGREE_EDGES) + 1)
+KEY_FINE = FINE_SHAPE[0] * FINE_SHAPE[1] * FINE_SHAPE[2]
 
 
 @dataclass(slots=True)
@@ -48,6 +55,115 @@ class NodeEvidence:
         return self._keys
 
 
+class KeyTables:
+    """The acceptance counts by integer key, for the compiled planner and learner
+    (_kernels.c: srsd_plan, srsd_learn). A source name gets an id when first seen; coarse
+    keys are c = ((id * 2 + greedy) * KEY_DEPTHS + depth) * KEY_RECENT + recent bucket, a
+    pair (accepted, tried) of doubles each in `coarse`; a coarse key's fine keys get a row of
+    KEY_FINE pairs in `fine` when the first of them is counted (`fine_row`, -1 before).
+    `AcceptanceModel.counts` (the dict that is stored and read back) and these tables hold
+    the same counts: what the Python counts is set here too, what the compiled learner
+    counts here is `pending` (key ids) until the dict is next read. `addresses`: the arrays'
+    buffers (they move when an array grows)."""
+
+    def __init__(self, prior_of) -> None:
+        self._prior_of = prior_of
+        self.ids: dict[str, int] = {}
+        self.names: list[str] = []
+        self.pending: list[int] = []  # key ids the compiled learner counted (srsd_learn)
+        self.prior = array("d")
+        self.coarse = array("d")
+        self.fine_row = array("i")
+        self.fine = array("d")
+        self._offsets: dict[tuple, int | None] = {}  # key -> its pair's offset (fine: ~)
+        self.src_of_bits = array("i", [0] * 256)
+        for bits in range(1, 256):
+            self.src_of_bits[bits] = self.src(acceptance_source(bits))
+        self._moved()
+
+    def _moved(self) -> None:
+        self.addresses = tuple(a.buffer_info()[0] for a in (
+            self.coarse, self.fine_row, self.fine, self.prior, self.src_of_bits))
+
+    def src(self, name: str) -> int:
+        """The id of a source name (its tables made on first sight; its prior read then)."""
+        got = self.ids.get(name)
+        if got is None:
+            got = self.ids[name] = len(self.ids)
+            self.names.append(name)
+            self.prior.append(self._prior_of(name))
+            per_src = 2 * KEY_DEPTHS * KEY_RECENT
+            self.coarse.extend([0.0] * (2 * per_src))
+            self.fine_row.extend([-1] * per_src)
+            self._moved()
+        return got
+
+    def _offset(self, key: tuple) -> int | None:
+        """Where a key's pair is: >= 0 in `coarse`, ~offset in `fine`; None for a key of
+        another shape (a stored one of an older version: the planner never asks for it)."""
+        if key in self._offsets:
+            return self._offsets[key]
+        got = None
+        if len(key) in (4, 7) and isinstance(key[0], str) and key[1] in (0, 1) and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in key[2:]):
+            d, rb, *fine = key[2:]
+            if 0 <= d < KEY_DEPTHS and 0 <= rb < KEY_RECENT and all(
+                    0 <= v < m for v, m in zip(fine, FINE_SHAPE)):
+                c = ((self.src(key[0]) * 2 + int(key[1])) * KEY_DEPTHS + d) * KEY_RECENT + rb
+                got = 2 * c
+                if fine:
+                    row = self.row(c)
+                    sb, stb, ab = fine
+                    got = ~(2 * (row * KEY_FINE + (sb * FINE_SHAPE[1] + stb) * FINE_SHAPE[2]
+                                 + ab))
+        self._offsets[key] = got
+        return got
+
+    def row(self, c: int) -> int:
+        """The fine row of coarse index c (made when it has none)."""
+        row = self.fine_row[c]
+        if row < 0:
+            row = self.fine_row[c] = len(self.fine) // (2 * KEY_FINE)
+            self.fine.extend([0.0] * (2 * KEY_FINE))
+            self._moved()
+        return row
+
+    def flush(self, counts: dict) -> None:
+        """The counts of the `pending` keys written to `counts` (as the dict's keys)."""
+        done, self.pending = set(self.pending), []
+        for kid in done:
+            c, f = divmod(kid, KEY_FINE + 1)
+            rest, rb = divmod(c, KEY_RECENT)
+            rest, d = divmod(rest, KEY_DEPTHS)
+            src, greedy = divmod(rest, 2)
+            key: tuple = (self.names[src], bool(greedy), d, rb)
+            if f:
+                sb, rest = divmod(f - 1, FINE_SHAPE[1] * FINE_SHAPE[2])
+                key += (sb, *divmod(rest, FINE_SHAPE[2]))
+                at = 2 * (self.fine_row[c] * KEY_FINE + f - 1)
+                table = self.fine
+            else:
+                at, table = 2 * c, self.coarse
+            counts[key] = [table[at], table[at + 1]]
+
+    def set(self, key: tuple, value: Sequence[float]) -> None:
+        at = self._offset(key)
+        if at is not None:
+            table = self.coarse if at >= 0 else self.fine
+            at = at if at >= 0 else ~at
+            table[at], table[at + 1] = float(value[0]), float(value[1])
+
+    def clear(self) -> None:
+        for i in range(len(self.coarse)):
+            self.coarse[i] = 0.0
+        for i in range(len(self.fine_row)):
+            self.fine_row[i] = -1
+        del self.fine[:]
+        self._offsets.clear()
+        self.pending.clear()
+        self._moved()
+
+
 @dataclass
 class AcceptanceModel:
     """P(node accepted | parent accepted), calibrated online.
@@ -60,7 +176,9 @@ class AcceptanceModel:
     prior: float = 0.4  # measured: weak srsd hits are accepted ~20%, strong ones ~80-100%
     strength: float = 4.0  # pseudo-counts of the prior at each back-off level
     bonus: float = 0.15
-    counts: dict = field(default_factory=dict)  # key -> [accepted, tried]
+    # key -> [accepted, tried] (read it as `counts`: what the compiled learner counted is
+    # written in on reading)
+    _counts: dict = field(default_factory=dict, repr=False)
 
     forced_prior: float = 0.95  # nodes an output grammar forces: only a tokenization or a
     # whitespace guess can miss (the counts correct it)
@@ -71,6 +189,26 @@ class AcceptanceModel:
     copy_prior: float = 0.9  # chains that continue a copy run (copyrun.py): 1081 of 1224
     # nodes accepted in a dev run (4 prompts each of the edit and code workloads), the first
     # node of 79 of 80 chains
+
+    def __post_init__(self) -> None:
+        # the counts by integer key for the compiled planner (priors read per source when
+        # it is first seen: set the prior fields at construction)
+        self.tables = KeyTables(self._prior_of)
+        for key, value in self._counts.items():
+            self.tables.set(key, value)
+
+    @property
+    def counts(self) -> dict:
+        """key -> [accepted, tried] for every key counted (coarse keys: (source, greedy,
+        depth, recent bucket); fine ones add the share, strength and agreement buckets)."""
+        if self.tables.pending:
+            self.tables.flush(self._counts)
+        return self._counts
+
+    def clear(self) -> None:
+        """Forget every count."""
+        self._counts.clear()
+        self.tables.clear()
 
     def _post(self, ev: NodeEvidence, source: str, greedy: bool) -> tuple[float, float]:
         return self._post_keys(*ev.keys(source, greedy))
@@ -137,12 +275,14 @@ class AcceptanceModel:
     horizon: int = 2000  # older outcomes fade once a key has this many
 
     def update(self, ev: NodeEvidence, source: str, greedy: bool, accepted: bool) -> None:
+        counts = self.counts
         for key in ev.keys(source, greedy):
-            c = self.counts.setdefault(key, [0, 0])
+            c = counts.setdefault(key, [0, 0])
             c[0] += int(accepted)
             c[1] += 1
             if c[1] > self.horizon:
                 c[0], c[1] = c[0] / 2, c[1] / 2
+            self.tables.set(key, c)
 
     def to_json(self) -> list:
         return [[list(k), v] for k, v in self.counts.items()]
@@ -156,27 +296,76 @@ class AcceptanceModel:
                   ) -> None:
         """Add stored counts; with `cap`, each key counts as at most that many outcomes;
         with `missing_only`, only keys not counted yet."""
+        counts = self.counts
         for key, (a, n) in data:
-            if missing_only and tuple(key) in self.counts:
+            if missing_only and tuple(key) in counts:
                 continue
             if cap is not None and n > cap:
                 a, n = a * cap / n, cap
-            self.counts[tuple(key)] = [a, n]
+            self._counts[tuple(key)] = [a, n]
+            self.tables.set(tuple(key), (a, n))
 
 
 def evidence(tree: TokenTree, recent: float = 0.5) -> list[NodeEvidence | None]:
-    """Per node (None for the root): the features the acceptance model is keyed by.
-    (Locals bound once: this runs on every plan, on caches a forward pass just flushed.)"""
-    counts, weights, depths, agree, origin = (tree.counts, tree.weights, tree.depths,
-                                              tree.agree, tree.origin)
+    """Per node (None for the root): the features the acceptance model is keyed by."""
+    return [None, *(node_evidence(tree, i, recent) for i in range(1, len(tree)))]
+
+
+def node_evidence(tree: TokenTree, i: int, recent: float = 0.5) -> NodeEvidence:
+    """evidence(tree, recent)[i], alone."""
+    counts, c, o = tree.counts, tree.counts[i], tree.origin[i]
     root_count = max(counts[0], 1)
-    out: list[NodeEvidence | None] = [None]
-    add, make, name_of = out.append, NodeEvidence, acceptance_source
-    for i in range(1, len(counts)):
-        c, o = counts[i], origin[i]
-        add(make(depths[i], c / root_count, weights[i] / (c if c > 1 else 1), root_count,
-                 agree[i], recent, name_of(o) if o else ""))
-    return out
+    return NodeEvidence(tree.depths[i], c / root_count, tree.weights[i] / (c if c > 1 else 1),
+                        root_count, tree.agree[i], recent, acceptance_source(o) if o else "")
+
+
+class LazyEvidence(Sequence):
+    """evidence(tree, recent), each node's made when first asked for: the compiled planner
+    reads the tree itself, and what is learned later asks for a few nodes of it. (The tree
+    is not changed after it was planned.) `picked`: the nodes of the tree that are nodes
+    0, 1, ... of this sequence (a plan's sub-tree); all of them in order when None."""
+
+    __slots__ = ("_tree", "_recent", "_picked", "_made", "keys")
+
+    def __init__(self, tree: TokenTree, recent: float,
+                 picked: Sequence[int] | None = None) -> None:
+        self._tree, self._recent, self._picked = tree, recent, picked
+        self._made: dict[int, NodeEvidence] = {}
+        self.keys = None  # per node of the tree: its key indices (set by the planner)
+
+    def nodes_of(self, js: Sequence[int]) -> list[int]:
+        """The tree's nodes that are this sequence's js."""
+        p = self._picked
+        return list(js) if p is None else [p[j] for j in js]
+
+    def __len__(self) -> int:
+        return len(self._tree) if self._picked is None else len(self._picked)
+
+    @property
+    def recent(self) -> float:
+        return self._recent
+
+    def __getitem__(self, j):  # type: ignore[override]
+        if isinstance(j, slice):
+            return [self[k] for k in range(*j.indices(len(self)))]
+        if j < 0:
+            j += len(self)
+        if not 0 <= j < len(self):
+            raise IndexError(j)
+        i = j if self._picked is None else self._picked[j]
+        if i == 0:
+            return None
+        got = self._made.get(i)
+        if got is None:
+            got = self._made[i] = node_evidence(self._tree, i, self._recent)
+        return got
+
+    def picked(self, nodes: Sequence[int]) -> LazyEvidence:
+        """The same evidence for a sub-tree made of `nodes` (in its order), sharing what
+        was made already."""
+        out = LazyEvidence(self._tree, self._recent, nodes)
+        out._made, out.keys = self._made, self.keys
+        return out
 
 
 class DepthCalibration:

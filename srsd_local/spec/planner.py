@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .acceptance import NodeEvidence, evidence
+from .acceptance import LazyEvidence, NodeEvidence, evidence
 from .tree import TokenTree
 
 
@@ -117,8 +117,16 @@ def choose(tree: TokenTree, q: Sequence[float], cost: np.ndarray, max_branches: 
         rate = (1.0 + cum) / cost[k + 1]
         if rate > best_rate * (1.0 + 1e-9):  # a tie is not worth the bigger batch
             best_k, best_rate = k, rate
-    chosen = kept[:best_k]
-    ev_all = evidence(tree) if ev is None else ev
+    return build_plan(tree, kept[:best_k], p_rep, p_raw,
+                      evidence(tree) if ev is None else ev)
+
+
+def build_plan(tree: TokenTree, chosen: list[int], p_rep: Sequence[float],
+               p_raw: Sequence[float], ev: Sequence[NodeEvidence | None]) -> Plan:
+    """The plan verifying `chosen` (nodes of `tree` in the order they were taken, parents
+    first), with their probabilities (`p_rep` reported, `p_raw` without the depth
+    calibration, per node of `tree`) and evidence (`ev`, per node of `tree`)."""
+    best_k = len(chosen)
     if not best_k or max(chosen) == best_k:  # the candidate's first nodes (a chain's prefix)
         out, source = tree.head(best_k), list(range(best_k + 1))
     else:
@@ -126,10 +134,9 @@ def choose(tree: TokenTree, q: Sequence[float], cost: np.ndarray, max_branches: 
         new_of = {0: 0}
         for node in chosen:  # parents come before their children in this order
             new_of[node] = out.graft(new_of[tree.parents[node]], tree, node)
-        old_of = {v: k for k, v in new_of.items()}
-        source = [old_of[i] for i in range(len(out))]
+        source = [0, *chosen]  # (grafted in that order)
     out.weights[0], out.counts[0], out.origin[0] = tree.weights[0], tree.counts[0], 0
     probs = [1.0] + [p_rep[i] for i in source[1:]]
     raw = [1.0] + [p_raw[i] for i in source[1:]]
-    return Plan(out, probs, [ev_all[i] for i in source], float(sum(probs) - 1.0), raw,
-                source=source)
+    picked = ev.picked(source) if isinstance(ev, LazyEvidence) else [ev[i] for i in source]
+    return Plan(out, probs, picked, float(sum(probs) - 1.0), raw, source=source)

@@ -25,11 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import MODES, SRSDConfig
-from .acceptance import AcceptanceModel, DepthCalibration, NodeEvidence, evidence
+from .acceptance import AcceptanceModel, DepthCalibration, LazyEvidence, NodeEvidence, evidence
 from .copyrun import chain, continues, find_copy
 from .cost import CostModel
 from .draft import _MAX_AGREE, COPY, Drafter, DraftInput
 from .drafters import NgramModDrafter, make_drafter
+from .fastplan import compiled_planner
 from .planner import Plan, choose
 from .tree import TokenTree
 
@@ -91,6 +92,7 @@ class Speculator:
         # per (mode, greedy, copy run or merged draft)
         self.depth_calibration: dict[tuple[str, bool, bool], DepthCalibration] = {}
         self.drafters = self._make_drafters(config)
+        self._compiled = compiled_planner()  # None: the Python planner
         self._explored_at = -EXPLORE_GAP  # cost.steps at the last exploratory plan
         self._surprises = 0  # cost.surprises when last looked at
         self._explore_left = 0  # plans that still explore after a surprise
@@ -197,11 +199,10 @@ class Speculator:
                 break
             node = nxt
             on_path.add(node)
-        parents, learn = tree.parents, self.acceptance.update
-        for i in range(1, len(tree)):
-            par = parents[i]
-            if par in on_path and i not in done and not (open_end and par == node):
-                learn(ev[i], req.mode, True, i in on_path)
+        parents = tree.parents
+        nodes = [i for i in range(1, len(tree)) if parents[i] in on_path and i not in done
+                 and not (open_end and parents[i] == node)]
+        self._count(ev, nodes, [i in on_path for i in nodes], req.mode, True)
 
     @staticmethod
     def _back_off(req: Request, verified: bool) -> None:
@@ -230,9 +231,6 @@ class Speculator:
 
     def _plan(self, tree: TokenTree, req: Request, room: int, ctx: int, offset: int = 0,
               gain: float = 0.0, copy_from: int | None = None) -> Plan:
-        ev = evidence(tree, req.recent)
-        means, explores = self.acceptance.q_all(ev, req.mode, req.greedy)
-        q, q_mean = [1.0, *explores], [1.0, *means]
         n_max = min(room, len(tree) - 1) + 1
         if self.cost.surprises != self._surprises:  # an estimate was far too high: look
             self._surprises = self.cost.surprises  # for more of them in the next plans
@@ -253,8 +251,17 @@ class Speculator:
         # a copy run's chains are calibrated apart: their depths fare unlike a merged tree's
         dc = self.depth_calibration.setdefault((req.mode, req.greedy, copy_from is not None),
                                                DepthCalibration())
-        plan = choose(tree, q, cost[offset: offset + n_max + 1], self.config.max_branches,
-                      q_mean, dc.scale(), ev, gain)
+        fast = self._compiled
+        if fast is not None:
+            ev = LazyEvidence(tree, req.recent)
+            plan = fast.choose(tree, self.acceptance, req.mode, req.greedy, ev,
+                               cost[offset: offset + n_max + 1], self.config.max_branches,
+                               dc.scale(), gain)
+        else:
+            ev = evidence(tree, req.recent)
+            means, explores = self.acceptance.q_all(ev, req.mode, req.greedy)
+            plan = choose(tree, [1.0, *explores], cost[offset: offset + n_max + 1],
+                          self.config.max_branches, [1.0, *means], dc.scale(), ev, gain)
         if plan.tree.n_draft:
             total = len(plan.tree) + offset
             plan.pad = int(size[total]) - total
@@ -291,6 +298,17 @@ class Speculator:
                req: Request) -> None:
         """Every verified node whose parent was accepted is one outcome for calibration."""
         on_path = set(path)
-        for node in range(1, len(tree)):
-            if tree.parents[node] in on_path:
-                self.acceptance.update(ev[node], req.mode, req.greedy, node in on_path)
+        parents = tree.parents
+        nodes = [i for i in range(1, len(tree)) if parents[i] in on_path]
+        self._count(ev, nodes, [i in on_path for i in nodes], req.mode, req.greedy)
+
+    def _count(self, ev, nodes: list[int], accepted: list[bool], mode: str, greedy: bool
+               ) -> None:
+        """One outcome per node (indices into `ev`) for the acceptance model: in one
+        compiled call where the compiled planner planned the tree."""
+        if isinstance(ev, LazyEvidence) and ev.keys is not None:
+            self._compiled.learn(self.acceptance, ev, nodes, accepted)
+        else:
+            learn = self.acceptance.update
+            for i, a in zip(nodes, accepted):
+                learn(ev[i], mode, greedy, a)
