@@ -409,3 +409,22 @@ def test_emitting_without_stop_strings_equals_token_by_token_emission():
                     break
             runs.append((text, ids, flags, finish, em.count))
         assert runs[0] == runs[1], trial
+
+
+def test_graph_rows_check_the_rows_the_walk_reads() -> None:
+    from srsd_local.engine.engine import _graph_rows
+    from srsd_local.engine.slots import Work
+    from srsd_local.llama.backend import DecodeError
+    t = TokenTree(5)
+    a = t.add_node(0, 7)
+    t.add_node(0, 8)
+    t.add_node(a, 9)
+    w = Work([5, 7, 8, 9], [0, 1, 1, 2], [[0, 1], [0], [1], [0]], [1, 1, 1, 1], False)
+    w.sampled = np.array([7, 4, -1, 3], dtype=np.int32)  # row 2 (token 8) was not sampled
+    assert walk_tree(t, _graph_rows(w), int) == ([0, 1], 4)  # ... and is not read
+    w.sampled = np.array([8, 4, -1, 3], dtype=np.int32)
+    with pytest.raises(DecodeError, match="tree row 2"):
+        walk_tree(t, _graph_rows(w), int)
+    w.sampled = np.array([7, 4], dtype=np.int32)
+    with pytest.raises(DecodeError, match="sampled tokens for a tree"):
+        _graph_rows(w)

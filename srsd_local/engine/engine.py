@@ -785,7 +785,8 @@ class Engine:
             ta = time.perf_counter()
             room = 0 if self.plain_only else self.speculator.room(req, slot.n_ctx - n - 2)
             plan = None
-            if room and forcing is None:  # a copy run goes on: its chain, no drafting
+            if room and forcing is None and req.copy_at is not None:  # a copy run goes
+                # on: its chain, no drafting (not in one: nothing to slice or look up)
                 plan = self.speculator.follow(req, slot.ctx[:n], x, room,
                                               offset=job.batch_offset, gain=job.batch_gain)
             if plan is not None or (room and forcing is None and self.speculator.skips(req)):
@@ -1008,10 +1009,19 @@ def _graph_rows(w: Work) -> Callable[[int], int]:
     """The tree walk's row lookup for a tree sampled in llama.cpp's graph: the token it took
     at each node."""
     got = w.sampled
-    if got is None or len(got) != len(w.tokens) or int(got.min()) < 0:
-        raise DecodeError("llama.cpp returned no in-graph sampled token for a tree row "
+    if got is None or len(got) != len(w.tokens):
+        raise DecodeError("llama.cpp returned no in-graph sampled tokens for a tree "
                           "(sample_in_graph)")
-    return got.__getitem__
+    toks = got.tolist()  # (one call; the walk reads a few rows, each checked)
+
+    def row(node: int) -> int:
+        t = toks[node]
+        if t < 0:
+            raise DecodeError(f"llama.cpp returned no in-graph sampled token for tree row "
+                              f"{node} (sample_in_graph)")
+        return t
+
+    return row
 
 
 def collect(events: Iterator[StreamEvent]) -> GenerationResult:

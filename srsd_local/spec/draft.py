@@ -96,8 +96,8 @@ class Drafter:
             tree.insert(list(inp.forced)[: cfg.draft_depth], 1.0 + tree.weights[0],
                         _MAX_AGREE, GRAMMAR)
         budget = cfg.max_nodes if max_nodes is None else max_nodes
-        if tree.n_draft > budget or max(tree.depths) > cfg.draft_depth or sum(
-                1 for i in range(len(tree)) if not tree.children(i)) > cfg.max_branches:
+        if tree.n_draft > budget or max(tree.depths) > cfg.draft_depth or \
+                tree.n_leaves() > cfg.max_branches:
             tree = tree.prune(budget, cfg.draft_depth, cfg.max_branches)
         if inp.constrain is not None and tree.n_draft:
             tree = inp.constrain(tree, budget)

@@ -53,6 +53,10 @@ class TokenTree:
     def children(self, node: int) -> list[int]:
         return list(self._children[node].values())
 
+    def n_leaves(self) -> int:
+        """Nodes without children (the root alone counts as one)."""
+        return sum(1 for kids in self._children if not kids)
+
     def sibling_groups(self) -> list[list[int]]:
         """The children of every node that has more than one."""
         return [list(c.values()) for c in self._children if len(c) > 1]
