@@ -158,3 +158,21 @@ def test_compiled_learning_counts_what_the_python_counts(seed: int) -> None:
         if step % 20 == 0:  # the dict read in the middle: what came before is written in
             assert fast.counts == slow.counts
     assert fast.counts == slow.counts and len(fast.counts) > 10
+
+
+@needs_build
+def test_a_copied_model_and_planner_plan_on_their_own_buffers() -> None:
+    import copy
+    rng = random.Random(11)
+    m = trained_model(rng, True)
+    twin, planner2 = copy.deepcopy(m), copy.deepcopy(planner)
+    assert twin.tables.addresses != m.tables.addresses
+    assert twin.tables.addresses[0] == twin.tables.coarse.buffer_info()[0]
+    t = random_tree(rng, False)
+    cost = [0.0] + [1.0 + 0.02 * k for k in range(len(t) + 1)]
+    lazy = LazyEvidence(t, 0.5)
+    same(planner2.choose(t, twin, "srsd", True, lazy, cost, 4, [1.0]),
+         python_plan(t, m, "srsd", True, 0.5, cost, 4, [1.0], 0.0))
+    planner2.learn(twin, lazy, list(range(1, len(t))), [True] * (len(t) - 1))
+    assert twin.counts != m.counts  # the copy learned; the original did not
+    assert m.counts == trained_model(random.Random(11), True).counts

@@ -81,6 +81,15 @@ class KeyTables:
             self.src_of_bits[bits] = self.src(acceptance_source(bits))
         self._moved()
 
+    def __getstate__(self) -> dict:  # (a copy's arrays have buffers of their own)
+        state = self.__dict__.copy()
+        del state["addresses"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._moved()
+
     def _moved(self) -> None:
         self.addresses = tuple(a.buffer_info()[0] for a in (
             self.coarse, self.fine_row, self.fine, self.prior, self.src_of_bits))

@@ -36,6 +36,9 @@ class CompiledPlanner:
         fn.argtypes = [_I64, _P, _P, _P, _P, _P, _P, _D, _P]
         self._grow(64)
 
+    def __reduce__(self):  # a copy (a replayed run's snapshot) gets buffers of its own
+        return compiled_planner, ()
+
     def _grow(self, n: int) -> None:
         self._cap = n
         self._work = (ctypes.c_double * (6 * n))()
