@@ -567,15 +567,17 @@ class Engine:
     def _decode_together(self, works: list[Work]) -> None:
         """One batch for several Works (split into llama_decode calls of n_batch by the
         backend); each Work gets its own logits and hidden rows back."""
-        if len(works) == 1:
-            w = works[0]
-            tokens, positions, seq_ids, flags = w.tokens, w.positions, w.seq_ids, w.flags
-        else:
-            tokens = np.concatenate([np.asarray(w.tokens, dtype=np.int32) for w in works])
-            positions = np.concatenate([np.asarray(w.positions, np.int32) for w in works])
-            seq_ids = [ids for w in works for ids in w.seq_ids]
-            flags = np.concatenate([np.asarray(w.flags, np.int8) for w in works])
         self._set_capture(any(w.capture or w.prefill for w in works))
+        if len(works) == 1:  # its rows are the pass's, as they come (no slices)
+            w = works[0]
+            out = self.backend.decode(w.tokens, positions=w.positions, seq_ids=w.seq_ids,
+                                      want_logits=w.flags)
+            w.logits, w.sampled, w.hidden = out.logits, out.sampled, out.hidden
+            return
+        tokens = np.concatenate([np.asarray(w.tokens, dtype=np.int32) for w in works])
+        positions = np.concatenate([np.asarray(w.positions, np.int32) for w in works])
+        seq_ids = [ids for w in works for ids in w.seq_ids]
+        flags = np.concatenate([np.asarray(w.flags, np.int8) for w in works])
         rows = [int(np.count_nonzero(w.flags)) for w in works]  # (before the pass flushes
         out = self.backend.decode(tokens, positions=positions, seq_ids=seq_ids,  # caches)
                                   want_logits=flags)

@@ -88,7 +88,7 @@ class _Stream:
     __slots__ = ("buf", "n", "pending", "misses")
 
     def __init__(self, capacity: int = 256) -> None:
-        self.buf = np.empty(max(capacity, 16), dtype=np.int64)
+        self.buf = np.empty(max(capacity, 16), dtype=np.int32)  # (as the context)
         self.n = 0
         self.pending: deque[tuple[int, np.ndarray]] = deque()  # (position of draft[0], draft)
         self.misses = 0
@@ -96,7 +96,7 @@ class _Stream:
     def append(self, toks: np.ndarray) -> None:
         end = self.n + len(toks)
         if end > len(self.buf):
-            grown = np.empty(max(end, 2 * len(self.buf)), dtype=np.int64)
+            grown = np.empty(max(end, 2 * len(self.buf)), dtype=np.int32)
             grown[: self.n] = self.buf[: self.n]
             self.buf = grown
         self.buf[self.n: end] = toks
