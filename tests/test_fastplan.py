@@ -176,3 +176,40 @@ def test_a_copied_model_and_planner_plan_on_their_own_buffers() -> None:
     planner2.learn(twin, lazy, list(range(1, len(t))), [True] * (len(t) - 1))
     assert twin.counts != m.counts  # the copy learned; the original did not
     assert m.counts == trained_model(random.Random(11), True).counts
+
+
+@needs_build
+@pytest.mark.model
+def test_on_the_real_model_every_plan_equals_the_python_plan(engine, monkeypatch) -> None:
+    """A real generation (an edit, the default mode): each candidate tree the compiled
+    planner plans is planned by the Python planner too, on the same counts, with the same
+    result; what the compiled learner counted is in the counts dict afterwards."""
+    from text_data import edit_prompt  # noqa: PLC0415
+
+    spec = engine.speculator
+    fast = spec._compiled
+    assert fast is not None
+    compared = []
+    inner = fast.choose
+
+    def both(tree, model, source, greedy, ev, cost, branches, scale, gain=0.0):
+        want = python_plan(tree, model, source, greedy, ev.recent, cost, branches, scale,
+                           gain)
+        got = inner(tree, model, source, greedy, ev, cost, branches, scale, gain)
+        same(got, want)
+        compared.append(got.tree.n_draft)
+        return got
+
+    monkeypatch.setattr(fast, "choose", both)
+    engine.reset()
+    before = {k: list(v) for k, v in spec.acceptance.counts.items()}
+    out = engine.generate(edit_prompt(), max_tokens=96, mode="srsd")
+    assert out.stats.tokens > 20 and len(compared) >= 3 and max(compared) > 0
+    counts = spec.acceptance.counts
+    assert counts != before  # the verified trees were learned from
+    tables = spec.acceptance.tables
+    for key, value in counts.items():
+        at = tables._offset(key)
+        if at is not None:
+            table, i = (tables.coarse, at) if at >= 0 else (tables.fine, ~at)
+            assert [table[i], table[i + 1]] == [float(v) for v in value], key

@@ -163,11 +163,10 @@ class KeyTables:
             table[at], table[at + 1] = float(value[0]), float(value[1])
 
     def clear(self) -> None:
-        for i in range(len(self.coarse)):
-            self.coarse[i] = 0.0
-        for i in range(len(self.fine_row)):
-            self.fine_row[i] = -1
-        del self.fine[:]
+        """Every count zero (the sources keep their ids)."""
+        self.coarse = array("d", bytes(8 * len(self.coarse)))
+        self.fine_row = array("i", [-1]) * len(self.fine_row)
+        self.fine = array("d")
         self._offsets.clear()
         self.pending.clear()
         self._moved()
@@ -306,13 +305,14 @@ class AcceptanceModel:
         """Add stored counts; with `cap`, each key counts as at most that many outcomes;
         with `missing_only`, only keys not counted yet."""
         counts = self.counts
-        for key, (a, n) in data:
-            if missing_only and tuple(key) in counts:
+        for stored, (a, n) in data:
+            key = tuple(stored)
+            if missing_only and key in counts:
                 continue
             if cap is not None and n > cap:
                 a, n = a * cap / n, cap
-            self._counts[tuple(key)] = [a, n]
-            self.tables.set(tuple(key), (a, n))
+            counts[key] = [a, n]
+            self.tables.set(key, (a, n))
 
 
 def evidence(tree: TokenTree, recent: float = 0.5) -> list[NodeEvidence | None]:

@@ -57,11 +57,7 @@ class CompiledPlanner:
         n = len(tree)
         if n > self._cap:
             self._grow(2 * n)
-        ints = array("i", tree.parents)
-        ints += array("i", tree.depths)
-        ints += array("i", tree.counts)
-        ints += array("i", tree.agree)
-        ints += array("i", tree.origin)
+        ints = array("i", tree.parents + tree.depths + tree.counts + tree.agree + tree.origin)
         weights = array("d", tree.weights)
         scale = array("d", depth_scale)
         costs = array("d", cost)

@@ -251,17 +251,16 @@ class Speculator:
         # a copy run's chains are calibrated apart: their depths fare unlike a merged tree's
         dc = self.depth_calibration.setdefault((req.mode, req.greedy, copy_from is not None),
                                                DepthCalibration())
-        fast = self._compiled
+        cost, fast = cost[offset: offset + n_max + 1], self._compiled
         if fast is not None:
             ev = LazyEvidence(tree, req.recent)
-            plan = fast.choose(tree, self.acceptance, req.mode, req.greedy, ev,
-                               cost[offset: offset + n_max + 1], self.config.max_branches,
-                               dc.scale(), gain)
+            plan = fast.choose(tree, self.acceptance, req.mode, req.greedy, ev, cost,
+                               self.config.max_branches, dc.scale(), gain)
         else:
             ev = evidence(tree, req.recent)
             means, explores = self.acceptance.q_all(ev, req.mode, req.greedy)
-            plan = choose(tree, [1.0, *explores], cost[offset: offset + n_max + 1],
-                          self.config.max_branches, [1.0, *means], dc.scale(), ev, gain)
+            plan = choose(tree, [1.0, *explores], cost, self.config.max_branches,
+                          [1.0, *means], dc.scale(), ev, gain)
         if plan.tree.n_draft:
             total = len(plan.tree) + offset
             plan.pad = int(size[total]) - total
