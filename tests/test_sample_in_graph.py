@@ -129,6 +129,14 @@ def test_trees_sampled_in_graph_replay_from_their_recording(graph_engine, monkey
         real["sampled"] += 1
         return sampled(ctx, i)
 
+    read = be._read_sampled
+
+    def counting_read(rows, out):  # a tree's rows: read in one compiled call where built
+        some = read(rows, out)
+        if be._reader is not None:  # (else through llama_get_sampled_token_ith, counted)
+            real["sampled"] += some
+        return some
+
     served = []
     serve = PassReplay.serve
 
@@ -138,6 +146,7 @@ def test_trees_sampled_in_graph_replay_from_their_recording(graph_engine, monkey
 
     monkeypatch.setattr(be._L, "llama_decode", counting_decode)
     monkeypatch.setattr(be._L, "llama_get_sampled_token_ith", counting_sampled)
+    monkeypatch.setattr(be, "_read_sampled", counting_read)
     monkeypatch.setattr(PassReplay, "serve", counting_serve)
     rows0 = be.graph_rows
     stats = graph_engine.replayed_stats(EDIT.prompt, max_tokens=48, mode="srsd")

@@ -280,3 +280,23 @@ static struct sampler_iface ggml_iface = {
 
 /* The sampler interface: 1, the CPU's custom ops; 0, ggml's argmax. */
 void *srsd_argmax_iface(int threads) { return threads ? &threads_iface : &ggml_iface; }
+
+/* After a llama_decode call: into out[k], the in-graph sampled token of batch row rows[k]
+ * (-1 where rows[k] is -1), read with llama_get_sampled_token_ith (`get`); returns how many
+ * were read. One call for a tree's rows instead of one call into llama.cpp per row. */
+typedef int32_t (*sampled_token_fn)(void *ctx, int32_t i);
+
+int64_t srsd_read_sampled(void *get, void *ctx, const int32_t *rows, int64_t n,
+                          int32_t *out) {
+    sampled_token_fn f = (sampled_token_fn)get;
+    int64_t some = 0;
+    for (int64_t k = 0; k < n; ++k) {
+        if (rows[k] >= 0) {
+            out[k] = f(ctx, rows[k]);
+            ++some;
+        } else {
+            out[k] = -1;
+        }
+    }
+    return some;
+}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ import numpy as np
 from ..config import SRSDConfig, environment
 from .capture import CompiledCapture, HiddenCapture, make_capture, resolve_layer
 from .cpubufs import cpu_features, use_extra_buffer_types
-from .graph_argmax import make_sampler
+from .graph_argmax import make_sampler, sampled_reader
 from .replay import PassReplay
 from .spm import SpmTokenizer
 
@@ -239,6 +240,7 @@ class Backend:
             self._b_nseq = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(cap,))
             self._b_logits = np.ctypeslib.as_array(self._batch.logits, shape=(cap,))
             self._tokens_buf = np.zeros(cap, np.int32)  # a call's in-graph sampled tokens
+            self._reader = sampled_reader(L)  # reads them in one call (None: one per row)
             # the plain step writes its one token, and every step its rows' sequence ids,
             # through ctypes pointers (fewer calls into numpy on caches a forward pass just
             # flushed)
@@ -522,14 +524,14 @@ class Backend:
         return DecodeOutput(logits=logits, hidden=hidden, sampled=sampled)
 
     def _graph_plan(self, m: int, seq_ids: Sequence[Sequence[int]] | None = None
-                    ) -> tuple[bool, list[int]]:
+                    ) -> tuple[bool, array]:
         """For a llama_decode call of the batch's first m rows (`seq_ids`: theirs, read
         back from the batch when not given), known before it runs: whether llama.cpp
         copies the logits rows out (unless every output row's sequences all have a
         sampler), and per output row the batch row whose in-graph sampled token is read
         after it (-1: not sampled; a row's sampler is its first sequence's)."""
         graph, seqs, nseq = self.graph_seqs, self._p_seq, self._b_nseq
-        raw, rows = False, []
+        raw, rows = False, array("i")  # (an int32 array: read in one compiled call)
         for i, flag in enumerate(self._b_logits[:m].tolist()):
             if not flag:
                 continue
@@ -540,7 +542,7 @@ class Backend:
             rows.append(i if ids[0] in graph else -1)
         return raw, rows
 
-    def _sampled(self, plan: tuple[bool, list[int]]) -> tuple[bool, np.ndarray, bool]:
+    def _sampled(self, plan: tuple[bool, array]) -> tuple[bool, np.ndarray, bool]:
         """After the llama_decode call `plan` (_graph_plan) was made for: whether llama.cpp
         copied the logits rows out, the in-graph sampled token of each output row or -1 (a
         recorded or served call's as its recording holds it), and whether any row has one.
@@ -556,9 +558,12 @@ class Backend:
         self.graph_rows += some
         return raw, got, some > 0
 
-    def _read_sampled(self, rows: Sequence[int], out: np.ndarray) -> int:
+    def _read_sampled(self, rows: array, out: np.ndarray) -> int:
         """Into `out`: the in-graph sampled token of each batch row in `rows` (-1 for -1)
-        after the last llama_decode call; how many were sampled."""
+        after the last llama_decode call; how many were sampled (in one compiled call where
+        there is a build, else one call into llama.cpp per row)."""
+        if self._reader is not None:
+            return self._reader(self.ctx, rows, out)
         get, ctx = self._L.llama_get_sampled_token_ith, self.ctx
         some = 0
         for k, i in enumerate(rows):

@@ -13,6 +13,7 @@ they cannot be, the engine falls back on llama.cpp's greedy sampler.
 from __future__ import annotations
 
 import ctypes
+from array import array
 from functools import lru_cache
 from importlib import resources
 
@@ -42,7 +43,26 @@ def library() -> ctypes.CDLL | None:
     lib.srsd_argmax_iface.restype = ctypes.c_void_p
     lib.srsd_argmax_rows.argtypes = [ctypes.c_int]
     lib.srsd_argmax_rows.restype = ctypes.c_int64
+    lib.srsd_read_sampled.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_int64, ctypes.c_void_p]
+    lib.srsd_read_sampled.restype = ctypes.c_int64
     return lib
+
+
+def sampled_reader(L):
+    """`read(ctx, rows, out) -> int`: into the int32 array `out`, the in-graph sampled token
+    of each batch row in `rows` (an int32 array; -1 for -1) after the last llama_decode
+    call, in one compiled call; how many were read. None without a build."""
+    lib = library()
+    if lib is None:
+        return None
+    fn = lib.srsd_read_sampled
+    get = ctypes.cast(L.llama_get_sampled_token_ith, ctypes.c_void_p).value
+
+    def read(ctx, rows: array, out) -> int:
+        return fn(get, ctx, rows.buffer_info()[0], len(rows), out.ctypes.data)
+
+    return read
 
 
 def make_sampler(L, threads: bool) -> object | None:

@@ -408,3 +408,99 @@ int64_t srsd_learn(int64_t m, const int32_t *keys, const int32_t *nodes,
     }
     return m;
 }
+
+/* Drafts merged into one token trie and pruned (TokenTree.insert for each draft, then
+ * TokenTree.prune when the trie is over a budget), in the same order and arithmetic.
+ * Draft j is toks[offs[j] .. offs[j + 1]) (non-empty, already cut to the depth limit),
+ * with weight w[j], context agreement agree[j] and source bit origin[j]. The trie is built
+ * in `trie` (6 cap int32: tokens, parents, depths, counts, agree, origin; cap >= 1 + the
+ * drafts' tokens) with weights in `tw` (cap doubles) and child links in `links` (2 cap
+ * int32: first child, next sibling). When it has more than max_nodes drafted nodes, a node
+ * deeper than max_depth or more than max_branches leaves, it is pruned into `out` (same
+ * layout, weights in `ow`): nodes taken best-first by (-weight, depth, trie index), a node
+ * that would open a leaf past max_branches dropped with what is under it, until max_nodes
+ * are taken; the root keeps its weight and count (not its agreement and origin). `heap`:
+ * cap int32 of scratch (the frontier). Returns the node count, negated when the result is
+ * the unpruned trie (left in `trie` / `tw`). */
+int64_t srsd_merge(int32_t root, int64_t m, const int32_t *toks, const int32_t *offs,
+                   const double *w, const int32_t *agree, const int32_t *origin,
+                   int64_t cap, int64_t max_nodes, int64_t max_depth, int64_t max_branches,
+                   int32_t *trie, double *tw, int32_t *links, int32_t *out, double *ow,
+                   int32_t *heap) {
+    int32_t *tok = trie, *par = trie + cap, *dep = trie + 2 * cap, *cnt = trie + 3 * cap;
+    int32_t *agr = trie + 4 * cap, *org = trie + 5 * cap;
+    int32_t *first = links, *next = links + cap;
+    int64_t n = 1;
+    tok[0] = root; par[0] = -1; dep[0] = 0; cnt[0] = 0; agr[0] = 0; org[0] = 0; tw[0] = 0.0;
+    first[0] = -1; next[0] = -1;
+    for (int64_t j = 0; j < m; ++j) {
+        const double wj = w[j];
+        const int32_t aj = agree[j], oj = origin[j];
+        tw[0] += wj;
+        cnt[0] += 1;
+        org[0] |= oj;
+        int32_t node = 0;
+        for (int32_t k = offs[j]; k < offs[j + 1]; ++k) {
+            const int32_t t = toks[k];
+            int32_t c = first[node], last = -1;
+            while (c >= 0 && tok[c] != t) { last = c; c = next[c]; }
+            if (c < 0) {
+                if (n >= cap) return 0; /* (the caller sizes cap: cannot happen) */
+                c = (int32_t)n++;
+                tok[c] = t; par[c] = node; dep[c] = dep[node] + 1; cnt[c] = 0; agr[c] = 0;
+                org[c] = 0; tw[c] = 0.0; first[c] = -1; next[c] = -1;
+                if (last >= 0) next[last] = c; else first[node] = c;
+            }
+            tw[c] += wj;
+            cnt[c] += 1;
+            if (agr[c] < aj) agr[c] = aj;
+            org[c] |= oj;
+            node = c;
+        }
+    }
+    int64_t leaves = 0, deepest = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        if (first[i] < 0) ++leaves;
+        if (dep[i] > deepest) deepest = dep[i];
+    }
+    if (n - 1 <= max_nodes && deepest <= max_depth && leaves <= max_branches) return -n;
+    /* prune: the frontier (heap) holds trie nodes whose parent is taken; a node's sibling
+     * link is read once, when its parent's children are pushed, and then holds the new
+     * index of that parent (newp) */
+    int32_t *otok = out, *opar = out + cap, *odep = out + 2 * cap, *ocnt = out + 3 * cap;
+    int32_t *oagr = out + 4 * cap, *oorg = out + 5 * cap;
+    int32_t *newp = next;
+    int64_t h = 0, k = 1, oleaves = 1;
+    otok[0] = tok[0]; opar[0] = -1; odep[0] = 0; ocnt[0] = cnt[0]; oagr[0] = 0; oorg[0] = 0;
+    ow[0] = tw[0];
+    for (int32_t c = first[0]; c >= 0;) {
+        const int32_t nx = next[c];
+        if (dep[c] <= max_depth) { heap[h++] = c; newp[c] = 0; }
+        c = nx;
+    }
+    while (h > 0 && k - 1 < max_nodes) {
+        int64_t b = 0;
+        for (int64_t e = 1; e < h; ++e) {
+            const int32_t x = heap[e], y = heap[b];
+            if (tw[x] > tw[y] || (tw[x] == tw[y] && (dep[x] < dep[y] ||
+                                                     (dep[x] == dep[y] && x < y)))) b = e;
+        }
+        const int32_t old = heap[b];
+        heap[b] = heap[--h];
+        const int32_t np = newp[old];
+        /* the new parent has children already: this one opens a leaf */
+        int opens = 0;
+        for (int64_t i = 1; i < k; ++i) if (opar[i] == np) { opens = 1; break; }
+        if (opens && oleaves >= max_branches) continue;
+        oleaves += opens;
+        const int64_t nw = k++;
+        otok[nw] = tok[old]; opar[nw] = np; odep[nw] = dep[old]; ocnt[nw] = cnt[old];
+        oagr[nw] = agr[old]; oorg[nw] = org[old]; ow[nw] = tw[old];
+        for (int32_t c = first[old]; c >= 0;) {
+            const int32_t nx = next[c];
+            if (dep[c] <= max_depth) { heap[h++] = c; newp[c] = (int32_t)nw; }
+            c = nx;
+        }
+    }
+    return k;
+}

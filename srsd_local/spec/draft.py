@@ -10,6 +10,7 @@ from functools import lru_cache
 import numpy as np
 
 from ..config import SRSDConfig
+from .fastmerge import CompiledMerger, compiled_merger
 from .index import VectorIndex
 from .tree import TokenTree
 
@@ -45,6 +46,7 @@ def acceptance_source(bits: int) -> str:
             return origin_name(bits & (one | GRAMMAR))
     return origin_name(bits)
 _MAX_AGREE = 8
+_UNSET = object()  # Drafter._merger before the first draft
 
 
 @dataclass
@@ -75,6 +77,7 @@ class Drafter:
 
     name = "none"
     origin = 0
+    _merger: CompiledMerger | None | object = _UNSET  # made at the first draft
 
     def __init__(self, config: SRSDConfig) -> None:
         self.config = config
@@ -88,17 +91,33 @@ class Drafter:
 
     def draft(self, inp: DraftInput, max_nodes: int | None = None) -> TokenTree:
         cfg = self.config
-        tree = TokenTree(inp.root)
-        for (path, weight, agree), origin in self.tagged(inp):
-            if len(path):
-                tree.insert(path[: cfg.draft_depth], weight, agree, origin)
-        if len(inp.forced):
-            tree.insert(list(inp.forced)[: cfg.draft_depth], 1.0 + tree.weights[0],
-                        _MAX_AGREE, GRAMMAR)
+        depth = cfg.draft_depth
         budget = cfg.max_nodes if max_nodes is None else max_nodes
-        if tree.n_draft > budget or max(tree.depths) > cfg.draft_depth or \
-                tree.n_leaves() > cfg.max_branches:
-            tree = tree.prune(budget, cfg.draft_depth, cfg.max_branches)
+        merger = self._merger
+        if merger is _UNSET:
+            merger = self._merger = compiled_merger()
+        if merger is not None:  # the same tree as below, in one compiled call
+            drafts, total = [], 0.0
+            for (path, weight, agree), origin in self.tagged(inp):
+                if len(path):
+                    part = path[:depth]
+                    drafts.append((part.tolist() if isinstance(part, np.ndarray) else part,
+                                   float(weight), int(agree), origin))
+                    total += weight
+            if len(inp.forced):
+                drafts.append((list(inp.forced)[:depth], 1.0 + total, _MAX_AGREE, GRAMMAR))
+            tree = merger.merge(inp.root, drafts, budget, depth, cfg.max_branches)
+        else:
+            tree = TokenTree(inp.root)
+            for (path, weight, agree), origin in self.tagged(inp):
+                if len(path):
+                    tree.insert(path[:depth], weight, agree, origin)
+            if len(inp.forced):
+                tree.insert(list(inp.forced)[:depth], 1.0 + tree.weights[0], _MAX_AGREE,
+                            GRAMMAR)
+            if tree.n_draft > budget or max(tree.depths) > depth or \
+                    tree.n_leaves() > cfg.max_branches:
+                tree = tree.prune(budget, depth, cfg.max_branches)
         if inp.constrain is not None and tree.n_draft:
             tree = inp.constrain(tree, budget)
         return tree

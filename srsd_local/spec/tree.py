@@ -39,6 +39,21 @@ class TokenTree:
         self.origin: list[int] = [0]  # bitmask of the draft sources through a node
         self._children: list[dict[int, int]] = [{}]
 
+    @classmethod
+    def from_lists(cls, tokens: list[int], parents: list[int], depths: list[int],
+                   weights: list[float], counts: list[int], agree: list[int],
+                   origin: list[int]) -> TokenTree:
+        """A tree from its per-node lists, numbered as `insert` and `prune` number nodes
+        (parents before their children, siblings in the order they were added)."""
+        out = cls.__new__(cls)
+        out.tokens, out.parents, out.depths = tokens, parents, depths
+        out.weights, out.counts, out.agree, out.origin = weights, counts, agree, origin
+        kids: list[dict[int, int]] = [{} for _ in tokens]
+        for i in range(1, len(tokens)):
+            kids[parents[i]][tokens[i]] = i
+        out._children = kids
+        return out
+
     def __len__(self) -> int:
         return len(self.tokens)
 
