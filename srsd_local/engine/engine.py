@@ -55,7 +55,7 @@ from ..spec.sampling import (
     TokenLogprob,
     token_logprob,
 )
-from ..spec.speculator import Request, Speculator
+from ..spec.speculator import TEXT_SOURCES, Request, Speculator
 from ..spec.tree import TokenTree, TreeLayout
 from ..spec.verify import walk_tree
 from .calibrate import CALIBRATED_FIELDS, calibrate_first_use, load_calibration_file
@@ -796,7 +796,9 @@ class Engine:
             if room:
                 inp = DraftInput(slot.ctx[:n], x, slot.last_hidden,
                                  slot.index if req.uses_index else None)
-                if req.uses_text:
+                if forcing is None:  # (under a grammar every source runs)
+                    inp.skip = self.speculator.sources_off(req)
+                if req.uses_text and inp.skip & TEXT_SOURCES != TEXT_SOURCES:
                     root = be.piece(x)
                     inp.text = bytes(slot.text.sync(slot.ctx[:n], be.piece)) + root
                     inp.flat = slot.text.flat_with(root)

@@ -19,9 +19,11 @@ Proposal = tuple[np.ndarray, float, int]
 ORIGINS = {1: "srsd", 2: "ngram", 4: "pld", 8: "grammar", 16: "text", 32: "analogy",
            64: "list", 128: "copy"}
 RETRIEVAL = 1  # the bit of drafts hidden-state retrieval proposed
+NGRAM_POOL = 2  # the bit of drafts the n-gram pool proposed (ngram_mod.py)
 GRAMMAR = 8  # the bit of drafts a grammar forces (see DraftInput.forced)
 ANALOGY = 32  # the bit of drafts made by analogy with an earlier example (analogy.py)
 LIST = 64  # the bit of drafts that continue a list copied name by name (listcopy.py)
+TEXT = 16  # the bit of drafts text lookup proposed (textlookup.py)
 COPY = 128  # the bit of chains that continue a copy run (copyrun.py)
 
 
@@ -67,6 +69,7 @@ class DraftInput:
     tokenize: Callable[[bytes], Sequence[int]] | None = None
     piece: Callable[[int], bytes] | None = None  # a token's text
     ends: Sequence[int] = ()  # per context position: where its piece ends in `text`
+    skip: int = 0  # origin bits of sources not to run this time (see Speculator.sources_off)
 
 
 class Drafter:

@@ -35,7 +35,8 @@ class MergedDrafter(Drafter):
         self.name = name
 
     def tagged(self, inp: DraftInput) -> list[tuple[Proposal, int]]:
-        return [t for part in self.parts for t in part.tagged(inp)]
+        skip = inp.skip  # (sources switched off for this request: see Speculator)
+        return [t for part in self.parts if not part.origin & skip for t in part.tagged(inp)]
 
     def propose(self, inp: DraftInput) -> list[Proposal]:
         return [p for p, _ in self.tagged(inp)]

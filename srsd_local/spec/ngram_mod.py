@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import SRSDConfig
-from .draft import Drafter, DraftInput, Proposal
+from .draft import NGRAM_POOL, Drafter, DraftInput, Proposal
 
 # Knobs (module constants, not SRSDConfig fields; the constructor takes overrides):
 N_MATCH = 24  # tokens hashed into a key (the n of the n-gram)
@@ -113,7 +113,7 @@ class NgramModDrafter(Drafter):
     """Hash-chain n-gram drafts from a pool shared across requests; [] unless confident."""
 
     name = "ngram"
-    origin = 2
+    origin = NGRAM_POOL
 
     def __init__(self, config: SRSDConfig, *, n_match: int = N_MATCH, n_min: int = N_MIN,
                  n_max: int = N_MAX, max_entries: int = POOL_MAX) -> None:

@@ -22,13 +22,23 @@ several generations can run side by side. Pure numpy: no llama.cpp here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..config import MODES, SRSDConfig
 from .acceptance import AcceptanceModel, DepthCalibration, LazyEvidence, NodeEvidence, evidence
 from .copyrun import chain, continues, find_copy
 from .cost import CostModel
-from .draft import _MAX_AGREE, COPY, Drafter, DraftInput
+from .draft import (
+    _MAX_AGREE,
+    ANALOGY,
+    COPY,
+    LIST,
+    NGRAM_POOL,
+    RETRIEVAL,
+    TEXT,
+    Drafter,
+    DraftInput,
+)
 from .drafters import NgramModDrafter, make_drafter
 from .fastplan import compiled_planner
 from .planner import Plan, choose
@@ -48,6 +58,20 @@ SEARCH = -1  # Request.copy_at: look for the copy the last tree came from
 # token somewhere before (measured: such attempts were declined 75 times in 80, and the 5
 # verified trees got 3 tokens accepted)
 GATED_MODES = ("srsd",)
+# Sources run only for requests where they pay (`Speculator.sources_off`): text lookup,
+# analogy and list drafts, which the default mode runs beside retrieval and the n-gram pool
+# on every drafting attempt. A source is credited when a node only it and the other such
+# sources proposed (not retrieval, not the pool: those run anyway) is accepted; after
+# SOURCE_IDLE drafting attempts of a request without a credit it runs only on every
+# SOURCE_PROBE-th attempt, until it is credited again. (Measured: with retrieval as the only
+# source, the engine verified its trees in ~1.0 ms against ~1.2-1.3 with all five, and on
+# code continuation it generated as fast as with all five.)
+SOURCE_GATED_MODES = ("srsd",)
+GATED_SOURCES = (TEXT, ANALOGY, LIST)
+ALWAYS_RUN = RETRIEVAL | NGRAM_POOL
+TEXT_SOURCES = TEXT | ANALOGY | LIST  # the sources that read DraftInput.text
+SOURCE_IDLE = 6
+SOURCE_PROBE = 8
 
 
 @dataclass
@@ -66,6 +90,11 @@ class Request:
     # a copy run: the context position whose token the next root should be (SEARCH: not
     # known yet, the last tree was accepted to a leaf), or None (no run)
     copy_at: int | None = None
+    attempts: int = 0  # drafting attempts that ran the sources
+    # per gated source bit: its drafting attempts since its nodes last paid (see
+    # sources_off); the bits of those that ran at the attempt waiting for its outcome
+    idle: dict[int, int] = field(default_factory=dict)
+    ran: int = 0
 
     @property
     def uses_index(self) -> bool:
@@ -138,14 +167,43 @@ class Speculator:
                 return None  # left for later: the last candidate tree too (_settle)
         if req.unverified is not None:
             self._settle(req, inp)
+        if req.mode in SOURCE_GATED_MODES:
+            req.attempts += 1
+            req.ran = sum(GATED_SOURCES) & ~inp.skip
         tree = drafter.draft(inp, max_nodes=room)
         if not tree.n_draft:
+            self._credit(req, 0)
             if drafter.config.adaptive:  # found nothing: back off as if declined
                 self._back_off(req, False)
             return None
         if not drafter.config.adaptive:
             return unplanned(tree, req.recent)
-        return self._decide(tree, req, room, int(inp.tokens.shape[0]), offset, gain)
+        plan = self._decide(tree, req, room, int(inp.tokens.shape[0]), offset, gain)
+        if plan is None:  # declined: the sources that ran paid nothing this time
+            self._credit(req, 0)
+        return plan
+
+    def sources_off(self, req: Request) -> int:
+        """The origin bits of the sources not to run at the request's next drafting attempt
+        (see SOURCE_IDLE): those whose nodes did not pay for SOURCE_IDLE attempts in a
+        row, but on every SOURCE_PROBE-th attempt, when all run."""
+        if req.mode not in SOURCE_GATED_MODES or req.attempts % SOURCE_PROBE == SOURCE_PROBE - 1:
+            return 0
+        idle = req.idle
+        return sum(b for b in GATED_SOURCES if idle.get(b, 0) >= SOURCE_IDLE)
+
+    @staticmethod
+    def _credit(req: Request, paid: int) -> None:
+        """The outcome of the request's last drafting attempt for the gated sources that ran
+        in it: `paid`, the bits of those whose nodes were accepted."""
+        ran = req.ran
+        if not ran:
+            return
+        req.ran = 0
+        idle = req.idle
+        for b in GATED_SOURCES:
+            if ran & b:
+                idle[b] = 0 if paid & b else idle.get(b, 0) + 1
 
     def _decide(self, tree: TokenTree, req: Request, room: int, ctx: int, offset: int,
                 gain: float, copy_from: int | None = None) -> Plan | None:
@@ -286,6 +344,12 @@ class Speculator:
                                                    len(path) - 1)
             self._learn(tree, plan.evidence, path, req)
             req.recent += RECENT_RATE * (float(len(path) > 1) - req.recent)
+            if req.ran:  # a drafted tree: which gated sources' nodes paid
+                origin, paid = tree.origin, 0
+                for i in path[1:]:
+                    if not origin[i] & ALWAYS_RUN:
+                        paid |= origin[i]
+                self._credit(req, paid)
 
     def observe_cost(self, n: int, seconds: float, ctx: int) -> None:
         """A forward pass of n tokens (all requests' together) took `seconds` at context

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ..config import SRSDConfig
-from .draft import _MAX_AGREE, Drafter, DraftInput, Proposal
+from .draft import _MAX_AGREE, TEXT, Drafter, DraftInput, Proposal
 
 MIN_MATCH = 4  # bytes of context text a match must cover
 MIN_FLAT = 8  # ... of the whitespace-collapsed text (tried when it matches further back)
@@ -192,7 +192,7 @@ class TextLookupDrafter(Drafter):
     text matches further back than the text itself, what followed there, collapsed."""
 
     name = "text"
-    origin = 16
+    origin = TEXT
 
     def __init__(self, config: SRSDConfig) -> None:
         super().__init__(config)
