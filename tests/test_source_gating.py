@@ -1,6 +1,6 @@
 """Sources run only where they pay (Speculator.sources_off): text lookup, analogy and list
-drafts are switched off for a request after SOURCE_IDLE drafting attempts in which no node
-only they proposed was accepted, run again on every SOURCE_PROBE-th attempt, and stay on once
+drafts are switched off for a request after SOURCE_IDLE drafting attempts in which none of
+their nodes was accepted, run again on every SOURCE_PROBE-th attempt, and stay on once
 one of their nodes pays. On fakes for the logic; on the real model for the outcome."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from srsd_local.config import SRSDConfig
 from srsd_local.spec import speculator as sp
 from srsd_local.spec.cost import CostModel
-from srsd_local.spec.draft import ANALOGY, RETRIEVAL, TEXT, Drafter, DraftInput
+from srsd_local.spec.draft import ANALOGY, LIST, RETRIEVAL, TEXT, Drafter, DraftInput
 from srsd_local.spec.drafters import MergedDrafter
 
 
@@ -81,13 +81,14 @@ def test_a_source_whose_nodes_never_pay_runs_only_on_probes_until_one_does() -> 
     assert spec.sources_off(req) & TEXT == 0
 
 
-def test_a_node_retrieval_also_proposed_is_no_credit_and_other_modes_never_gate() -> None:
-    spec, _, _ = _speculator()
-    spec.drafters["srsd"].parts[1].path = [5, 6]  # text proposes what retrieval does
+def test_a_node_retrieval_also_proposed_is_credit_and_other_modes_never_gate() -> None:
+    spec, _, text = _speculator()
+    text.path = [5, 6]  # text agrees with retrieval: its agreement shapes the tree
     req = spec.begin("srsd", greedy=True)
-    for _ in range(sp.SOURCE_IDLE):
+    for _ in range(3 * sp.SOURCE_IDLE):
         _attempt(spec, req, 5)
-    assert spec.sources_off(req) & TEXT  # its accepted nodes were retrieval's too
+    assert text.calls == 3 * sp.SOURCE_IDLE and req.idle[TEXT] == 0
+    assert spec.sources_off(req) == ANALOGY | LIST  # the two that never proposed anything
     other = spec.begin("retrieval", greedy=True)
     other.idle = {b: 100 for b in sp.GATED_SOURCES}
     assert spec.sources_off(other) == 0
