@@ -96,28 +96,24 @@ class Drafter:
         cfg = self.config
         depth = cfg.draft_depth
         budget = cfg.max_nodes if max_nodes is None else max_nodes
+        drafts, total = [], 0.0  # (tokens cut to the depth, weight, agreement, origin)
+        for (path, weight, agree), origin in self.tagged(inp):
+            if len(path):
+                part = path[:depth]
+                drafts.append((part.tolist() if isinstance(part, np.ndarray) else part,
+                               float(weight), int(agree), origin))
+                total += weight
+        if len(inp.forced):
+            drafts.append((list(inp.forced)[:depth], 1.0 + total, _MAX_AGREE, GRAMMAR))
         merger = self._merger
         if merger is _UNSET:
             merger = self._merger = compiled_merger()
         if merger is not None:  # the same tree as below, in one compiled call
-            drafts, total = [], 0.0
-            for (path, weight, agree), origin in self.tagged(inp):
-                if len(path):
-                    part = path[:depth]
-                    drafts.append((part.tolist() if isinstance(part, np.ndarray) else part,
-                                   float(weight), int(agree), origin))
-                    total += weight
-            if len(inp.forced):
-                drafts.append((list(inp.forced)[:depth], 1.0 + total, _MAX_AGREE, GRAMMAR))
             tree = merger.merge(inp.root, drafts, budget, depth, cfg.max_branches)
         else:
             tree = TokenTree(inp.root)
-            for (path, weight, agree), origin in self.tagged(inp):
-                if len(path):
-                    tree.insert(path[:depth], weight, agree, origin)
-            if len(inp.forced):
-                tree.insert(list(inp.forced)[:depth], 1.0 + tree.weights[0], _MAX_AGREE,
-                            GRAMMAR)
+            for draft in drafts:
+                tree.insert(*draft)
             if tree.n_draft > budget or max(tree.depths) > depth or \
                     tree.n_leaves() > cfg.max_branches:
                 tree = tree.prune(budget, depth, cfg.max_branches)

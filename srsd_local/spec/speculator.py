@@ -67,7 +67,7 @@ GATED_MODES = ("srsd",)
 # tokens/s on text edits and HumanEval.)
 SOURCE_GATED_MODES = ("srsd",)
 GATED_SOURCES = (TEXT, ANALOGY, LIST)
-TEXT_SOURCES = TEXT | ANALOGY | LIST  # the sources that read DraftInput.text
+TEXT_SOURCES = TEXT | ANALOGY | LIST  # the sources that read DraftInput.text: the gated ones
 SOURCE_IDLE = 6
 SOURCE_PROBE = 8
 
@@ -167,7 +167,7 @@ class Speculator:
             self._settle(req, inp)
         if req.mode in SOURCE_GATED_MODES:
             req.attempts += 1
-            req.ran = sum(GATED_SOURCES) & ~inp.skip
+            req.ran = TEXT_SOURCES & ~inp.skip
         tree = drafter.draft(inp, max_nodes=room)
         if not tree.n_draft:
             self._credit(req, 0)
