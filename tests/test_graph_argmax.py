@@ -134,3 +134,31 @@ def test_apply_outside_the_graph_selects_the_first_largest():
         assert L.llama_sampler_name(smpl) == b"srsd-argmax"
     finally:
         L.llama_sampler_free(smpl)
+
+
+def test_the_compiled_batch_fill_writes_every_field_of_every_row():
+    """batch_filler: tokens, positions, output flags and each row's sequence ids (any count
+    per row) land in llama.cpp's own llama_batch, n_tokens is set and the output rows are
+    counted; rows past m are left alone."""
+    from array import array
+
+    import llama_cpp
+
+    if graph_argmax.library() is None:
+        pytest.skip("no C compiler: batches are filled through numpy")
+    batch = llama_cpp.llama_batch_init(8, 0, 4)
+    try:
+        fill = graph_argmax.batch_filler(batch)
+        batch.token[5] = 777
+        seqs = [[0], [1, 2], [3], [0, 1, 2, 3], [2]]
+        n_out = fill(5, array("i", [11, 12, 13, 14, 15]), array("i", [40, 41, 41, 42, 43]),
+                     array("b", [1, 0, 1, 1, 0]), array("i", map(len, seqs)),
+                     array("i", [s for ids in seqs for s in ids]))
+        assert n_out == 3 and batch.n_tokens == 5
+        assert [batch.token[i] for i in range(6)] == [11, 12, 13, 14, 15, 777]
+        assert [batch.pos[i] for i in range(5)] == [40, 41, 41, 42, 43]
+        assert [batch.logits[i] for i in range(5)] == [1, 0, 1, 1, 0]
+        assert [[batch.seq_id[i][j] for j in range(batch.n_seq_id[i])] for i in range(5)] \
+            == seqs
+    finally:
+        llama_cpp.llama_batch_free(batch)

@@ -735,3 +735,28 @@ def test_sampled_rows_are_drawn_on_the_decode_threads_with_one_threads_tokens(en
     engine.reset()
     one = engine.generate("Write a short story about a lighthouse keeper.", **kw)
     assert len(one.token_ids) == 40 and many.token_ids == one.token_ids
+
+
+def test_a_trees_batch_is_filled_in_one_compiled_call_and_equals_plain(engine, monkeypatch):
+    """Every verified tree's pass takes the backend's array path (the batch filled in one
+    compiled call, no numpy on the way in) where there is a build, and the output is still
+    plain decoding's at every position."""
+    from srsd_local.llama import graph_argmax
+
+    if graph_argmax.library() is None:
+        pytest.skip("no C compiler: batches are filled through numpy")
+    be = engine.backend
+    calls = []
+    rows = be._decode_rows
+
+    def counting(tokens, positions, seq_ids, flags):
+        calls.append(len(tokens))
+        return rows(tokens, positions, seq_ids, flags)
+
+    monkeypatch.setattr(be, "_decode_rows", counting)
+    prompt = edit_prompt()
+    engine.reset()
+    out = engine.generate(prompt, max_tokens=64, mode="srsd")
+    assert out.stats.drafts > 0 and len(calls) == out.stats.drafts, (calls, out.stats.drafts)
+    rep = engine.verify_output(prompt, out.token_ids)
+    assert rep.ok and rep.positions == len(out.token_ids), rep.summary()

@@ -30,6 +30,7 @@ import queue
 import sys
 import threading
 import time
+from array import array
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -999,14 +1000,14 @@ def _tree_work(lay: TreeLayout, n: int, first: int, pad: int, capture: bool) -> 
     take them in tiles: see cost.py). No node attends to them (they come later in their
     sequence) and committing the tree drops them with the rest of the branches."""
     ids = [[first + b for b in ids] for ids in lay.seq_ids]
-    if not pad:
-        return Work(lay.tokens, n + lay.depths, ids, np.ones(len(lay.tokens), np.int8),
-                    capture)
-    leaf = next(node for node, b in lay.leaf_branch.items() if b == 0)
-    after = n + int(lay.depths[leaf]) + 1
-    return Work(np.concatenate([lay.tokens, np.full(pad, lay.tokens[0], np.int32)]),
-                np.concatenate([n + lay.depths, np.arange(after, after + pad, dtype=np.int32)]),
-                ids + [[first]] * pad, np.ones(len(lay.tokens) + pad, np.int8), capture)
+    tokens, positions = lay.tokens, array("i", [n + d for d in lay.depths])
+    if pad:  # (arrays, not numpy: the backend fills such a batch in one compiled call)
+        leaf = next(node for node, b in lay.leaf_branch.items() if b == 0)
+        after = n + lay.depths[leaf] + 1
+        tokens = tokens + array("i", [tokens[0]]) * pad
+        positions.extend(range(after, after + pad))
+        ids += [[first]] * pad
+    return Work(tokens, positions, ids, array("b", [1]) * len(tokens), capture)
 
 
 def _graph_rows(w: Work) -> Callable[[int], int]:

@@ -300,3 +300,34 @@ int64_t srsd_read_sampled(void *get, void *ctx, const int32_t *rows, int64_t n,
     }
     return some;
 }
+
+/* The leading fields of llama.h's struct llama_batch. */
+struct batch {
+    int32_t n_tokens;
+    int32_t *token;
+    float *embd;
+    int32_t *pos;
+    int32_t *n_seq_id;
+    int32_t **seq_id;
+    int8_t *logits;
+};
+
+/* Rows 0..m-1 of a batch in one call (numpy's calls and ctypes' item writes each cost more
+ * on the caches a forward pass has just flushed than this loop does): tokens, positions,
+ * output flags (NULL: every row) and each row's nseq[i] sequence ids, read one after the
+ * other from seq. Sets n_tokens; returns the number of output rows. */
+int32_t srsd_fill_batch(struct batch *b, int32_t m, const int32_t *tok, const int32_t *pos,
+                        const int8_t *flags, const int32_t *nseq, const int32_t *seq) {
+    int32_t n_out = 0;
+    b->n_tokens = m;
+    for (int32_t i = 0; i < m; ++i) {
+        b->token[i] = tok[i];
+        b->pos[i] = pos[i];
+        int8_t f = flags ? flags[i] : 1;
+        b->logits[i] = f;
+        n_out += f != 0;
+        b->n_seq_id[i] = nseq[i];
+        for (int32_t j = 0; j < nseq[i]; ++j) b->seq_id[i][j] = *seq++;
+    }
+    return n_out;
+}

@@ -20,7 +20,7 @@ import numpy as np
 from ..config import SRSDConfig, environment
 from .capture import CompiledCapture, HiddenCapture, make_capture, resolve_layer
 from .cpubufs import cpu_features, use_extra_buffer_types
-from .graph_argmax import make_sampler, sampled_reader
+from .graph_argmax import batch_filler, make_sampler, sampled_reader
 from .replay import PassReplay
 from .spm import SpmTokenizer
 
@@ -240,7 +240,9 @@ class Backend:
             self._b_nseq = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(cap,))
             self._b_logits = np.ctypeslib.as_array(self._batch.logits, shape=(cap,))
             self._tokens_buf = np.zeros(cap, np.int32)  # a call's in-graph sampled tokens
+            self._tokens_addr = self._tokens_buf.ctypes.data
             self._reader = sampled_reader(L)  # reads them in one call (None: one per row)
+            self._filler = batch_filler(self._batch)  # a tree's rows in one call (or None)
             # the plain step writes its one token, and every step its rows' sequence ids,
             # through ctypes pointers (fewer calls into numpy on caches a forward pass just
             # flushed)
@@ -461,6 +463,11 @@ class Backend:
         n = len(tokens)
         if n == 0:
             raise ValueError("decode needs at least one token")
+        if type(tokens) is array and type(positions) is array and \
+                type(want_logits) is array and seq_ids is not None and n <= self.n_batch and \
+                self._filler is not None and tokens.typecode == positions.typecode == "i" \
+                and want_logits.typecode == "b":  # (a tree's pass)
+            return self._decode_rows(tokens, positions, seq_ids, want_logits)
         if seq_ids is None:  # sequence 0, with its logits
             self.sample_main(0, False)
         pos = (np.arange(self.n_past, self.n_past + n, dtype=np.int32) if positions is None
@@ -487,28 +494,15 @@ class Backend:
             e = min(n, s + cap)
             ids = None if seq_ids is None else seq_ids[s:e]
             self._fill(toks[s:e], pos[s:e], ids, flags[s:e])
-            # what the rows will be is known before the pass: worked out now, while the
-            # caches still hold this code (a forward pass flushes them)
             n_out = int(np.count_nonzero(flags[s:e]))
-            plan = (self._graph_plan(e - s, ids) if n_out and self.graph_seqs and
-                    ids is not None else None)
-            if plan is not None and max(plan[1]) < 0:  # no output row is sampled in graph
-                plan = None
-            if self.capture is not None:
-                self.capture.reset()
-            self._decode_batch(e - s)
-            raw = True
-            if plan is not None:
-                raw, got, some = self._sampled(plan)
-                any_sampled = any_sampled or some
-                sampled_parts.append(got if e == n else got.copy())  # (a reused buffer)
-            if n_out and raw:  # a view of llama.cpp's buffer: the next call overwrites it
-                view = self._logits(n_out)
-                logits_parts.append(view if e == n else view.copy())
-            elif n_out:  # not copied out by llama.cpp: every row was sampled in its graph
-                logits_parts.append(self._nan_rows(n_out))
-            if self.capture is not None:
-                hidden_parts.append(self._captured())
+            logits, hidden, got, some = self._run_filled(e - s, n_out, ids, None, e == n)
+            any_sampled = any_sampled or some
+            if got is not None:
+                sampled_parts.append(got)
+            if logits is not None:
+                logits_parts.append(logits)
+            if hidden is not None or self.capture is not None:
+                hidden_parts.append(hidden)
         if seq_ids is None:  # a plain decode of sequence 0; tree passes end with commit()
             self.n_past = max(self.n_past, top)
         logits = (logits_parts[0] if len(logits_parts) == 1 else
@@ -523,8 +517,58 @@ class Backend:
                 sampled_parts[0]
         return DecodeOutput(logits=logits, hidden=hidden, sampled=sampled)
 
-    def _graph_plan(self, m: int, seq_ids: Sequence[Sequence[int]] | None = None
-                    ) -> tuple[bool, array]:
+    def _decode_rows(self, tokens: array, positions: array, seq_ids: Sequence[Sequence[int]],
+                     flags: array) -> DecodeOutput:
+        """`decode` of one llama_decode call's rows given as arrays (tokens and positions
+        `array("i")`, flags `array("b")`), the batch filled in one compiled call: a tree's
+        pass, without numpy's calls on its way in."""
+        n = len(tokens)
+        top = max(positions) + 1
+        if top > self.n_ctx:
+            raise ContextFullError(f"context is full: {top} tokens, n_ctx={self.n_ctx}")
+        nseq, seq = array("i"), array("i")
+        for ids in seq_ids:
+            nseq.append(len(ids))
+            seq.extend(ids)
+        n_out = self._filler(n, tokens, positions, flags, nseq, seq)
+        logits, hidden, got, some = self._run_filled(n, n_out, seq_ids, flags, True)
+        if logits is None:
+            logits = np.zeros((0, self.n_vocab), np.float32)
+        return DecodeOutput(logits=logits, hidden=hidden, sampled=got if some else None)
+
+    def _run_filled(self, m: int, n_out: int, ids: Sequence[Sequence[int]] | None,
+                    flags: array | None, last: bool
+                    ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None, bool]:
+        """One llama_decode call of the batch's first m rows, filled (`ids`: their sequence
+        ids, None for sequence 0 alone; `flags`: their output flags where known, else read
+        back from the batch): its logits rows (None without output rows), captured hidden
+        rows, in-graph sampled token per output row (-1: none; None: no row has a sampler)
+        and whether any row was sampled. Rows of a call that is not the `last` of a decode
+        are copied (the next call overwrites the buffers)."""
+        # what the rows will be is known before the pass: worked out now, while the caches
+        # still hold this code (a forward pass flushes them)
+        plan = (self._graph_plan(m, ids, flags) if n_out and self.graph_seqs and
+                ids is not None else None)
+        if plan is not None and max(plan[1]) < 0:  # no output row is sampled in graph
+            plan = None
+        if self.capture is not None:
+            self.capture.reset()
+        self._decode_batch(m)
+        raw, sampled, some = True, None, False
+        if plan is not None:
+            raw, got, some = self._sampled(plan)
+            sampled = got if last else got.copy()  # (a reused buffer)
+        logits = None
+        if n_out and raw:  # a view of llama.cpp's buffer: the next call overwrites it
+            view = self._logits(n_out)
+            logits = view if last else view.copy()
+        elif n_out:  # not copied out by llama.cpp: every row was sampled in its graph
+            logits = self._nan_rows(n_out)
+        hidden = self._captured() if self.capture is not None else None
+        return logits, hidden, sampled, some
+
+    def _graph_plan(self, m: int, seq_ids: Sequence[Sequence[int]] | None = None,
+                    flags: array | None = None) -> tuple[bool, array]:
         """For a llama_decode call of the batch's first m rows (`seq_ids`: theirs, read
         back from the batch when not given), known before it runs: whether llama.cpp
         copies the logits rows out (unless every output row's sequences all have a
@@ -532,7 +576,9 @@ class Backend:
         after it (-1: not sampled; a row's sampler is its first sequence's)."""
         graph, seqs, nseq = self.graph_seqs, self._p_seq, self._b_nseq
         raw, rows = False, array("i")  # (an int32 array: read in one compiled call)
-        for i, flag in enumerate(self._b_logits[:m].tolist()):
+        if flags is None:
+            flags = self._b_logits[:m].tolist()
+        for i, flag in enumerate(flags):
             if not flag:
                 continue
             ids = (seq_ids[i] if seq_ids is not None else
@@ -563,7 +609,8 @@ class Backend:
         after the last llama_decode call; how many were sampled (in one compiled call where
         there is a build, else one call into llama.cpp per row)."""
         if self._reader is not None:
-            return self._reader(self.ctx, rows, out)
+            return self._reader(self.ctx, rows, self._tokens_addr if out.base is
+                                self._tokens_buf else out.ctypes.data)
         get, ctx = self._L.llama_get_sampled_token_ith, self.ctx
         some = 0
         for k, i in enumerate(rows):

@@ -46,21 +46,25 @@ def library() -> ctypes.CDLL | None:
     lib.srsd_read_sampled.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                       ctypes.c_int64, ctypes.c_void_p]
     lib.srsd_read_sampled.restype = ctypes.c_int64
+    lib.srsd_fill_batch.argtypes = [ctypes.c_void_p, ctypes.c_int32] + [ctypes.c_void_p] * 5
+    lib.srsd_fill_batch.restype = ctypes.c_int32
     return lib
 
 
 def sampled_reader(L):
-    """`read(ctx, rows, out) -> int`: into the int32 array `out`, the in-graph sampled token
-    of each batch row in `rows` (an int32 array; -1 for -1) after the last llama_decode
-    call, in one compiled call; how many were read. None without a build."""
+    """`read(ctx, rows, out) -> int`: into the int32 array at address `out`, the in-graph
+    sampled token of each batch row in `rows` (an int32 array; -1 for -1) after the last
+    llama_decode call, in one compiled call; how many were read. None without a build. (An
+    address, not the array: numpy's `.ctypes` makes a helper object in Python code, which
+    costs tens of microseconds on the caches a forward pass just flushed.)"""
     lib = library()
     if lib is None:
         return None
     fn = lib.srsd_read_sampled
     get = ctypes.cast(L.llama_get_sampled_token_ith, ctypes.c_void_p).value
 
-    def read(ctx, rows: array, out) -> int:
-        return fn(get, ctx, rows.buffer_info()[0], len(rows), out.ctypes.data)
+    def read(ctx, rows: array, out: int) -> int:
+        return fn(get, ctx, rows.buffer_info()[0], len(rows), out)
 
     return read
 
@@ -82,3 +86,22 @@ def rows_sampled(direct: bool = False) -> int:
     those, the rows read from llama.cpp's logits tensor rather than its padded copy)."""
     lib = library()
     return 0 if lib is None else int(lib.srsd_argmax_rows(int(direct)))
+
+
+def batch_filler(batch):
+    """`fill(m, tokens, positions, flags, nseq, seq) -> int`: rows 0..m-1 of the llama_batch
+    `batch` in one compiled call, from int32 arrays (`array("i")`; `flags` an `array("b")` or
+    None for every row; `seq` every row's `nseq[i]` sequence ids one after the other); the
+    number of output rows. None without a build."""
+    lib = library()
+    if lib is None:
+        return None
+    fn, at = lib.srsd_fill_batch, ctypes.addressof(batch)
+
+    def fill(m: int, tokens: array, positions: array, flags: array | None, nseq: array,
+             seq: array) -> int:
+        return fn(at, m, tokens.buffer_info()[0], positions.buffer_info()[0],
+                  None if flags is None else flags.buffer_info()[0], nseq.buffer_info()[0],
+                  seq.buffer_info()[0])
+
+    return fill

@@ -10,6 +10,7 @@ path (a node carries the ids of every path through it).
 from __future__ import annotations
 
 import heapq
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -18,8 +19,8 @@ import numpy as np
 
 @dataclass(frozen=True)
 class TreeLayout:
-    tokens: np.ndarray  # int32 [n]
-    depths: np.ndarray  # int32 [n]
+    tokens: array  # int32 [n] (array("i"): no numpy call on a step's hot path)
+    depths: array  # int32 [n]
     seq_ids: list[list[int]]  # per node, the branch ids through it
     leaf_branch: dict[int, int]  # leaf node -> its branch id
 
@@ -206,8 +207,8 @@ class TokenTree:
                     seq_ids[up].append(b)
                     up = self.parents[up]
         return TreeLayout(
-            tokens=np.asarray(self.tokens, dtype=np.int32),
-            depths=np.asarray(self.depths, dtype=np.int32),
+            tokens=array("i", self.tokens),
+            depths=array("i", self.depths),
             seq_ids=seq_ids,
             leaf_branch=leaf_branch,
         )
