@@ -417,3 +417,19 @@ def test_hybrid_merges_both_sources_and_respects_budget():
     assert make_drafter("ar", cfg) is None
     with pytest.raises(ValueError, match="accepted"):
         make_drafter("turbo", cfg)
+
+
+def test_an_arrays_address_is_read_from_the_array_object_and_equals_numpys():
+    """kernels.array_address: where the kernels are built, the compiled read of the data
+    pointer (not numpy's `.ctypes`, a helper object made in Python code); its answer is
+    `.ctypes.data` for arrays, slices, views, rows of 2-D arrays and strided views."""
+    from srsd_local.spec import kernels
+
+    address = kernels.array_address()
+    if kernels.library() is not None:
+        assert address is not kernels._ctypes_address
+    base = np.arange(4097, dtype=np.int32)
+    rows = np.random.default_rng(0).standard_normal((16, 640)).astype(np.float32)
+    for a in (base, base[:100], base[37:], base[::3], rows, rows[5], rows[3:9], rows[:, 7],
+              rows.T, np.zeros(0, np.float64), np.float32(1.5) * np.ones(3, np.float32)):
+        assert address(a) == a.ctypes.data

@@ -504,3 +504,16 @@ int64_t srsd_merge(int32_t root, int64_t m, const int32_t *toks, const int32_t *
     }
     return k;
 }
+
+/* The data pointer of a numpy array, read from its object: numpy's `.ctypes.data` builds a
+ * helper object in Python code, which costs tens of microseconds on the caches a forward
+ * pass has just flushed. The pointer follows the object header (numpy's PyArrayObject
+ * layout); kernels.py sets its offset and checks this against `.ctypes.data` on arrays and
+ * views before using it. */
+static long array_data_offset = -1;
+
+void srsd_set_array_data_offset(long offset) { array_data_offset = offset; }
+
+void *srsd_array_data(void *obj) {
+    return array_data_offset < 0 ? (void *)0 : *(void **)((char *)obj + array_data_offset);
+}

@@ -14,7 +14,7 @@ from .fastmerge import CompiledMerger, compiled_merger
 from .index import VectorIndex
 from .tree import TokenTree
 
-Proposal = tuple[np.ndarray, float, int]
+Proposal = tuple[Sequence[int], float, int]  # (tokens: a list or an int32 array, weight, agree)
 # draft sources: their bits in TokenTree.origin, and the names the acceptance model keys by
 ORIGINS = {1: "srsd", 2: "ngram", 4: "pld", 8: "grammar", 16: "text", 32: "analogy",
            64: "list", 128: "copy"}

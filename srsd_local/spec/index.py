@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kernels import normalise_kernel, retrieve_kernel
+from .kernels import array_address, normalise_kernel, retrieve_kernel
 
 _GPU_TEMP_MEMORY = 64 << 20  # faiss reserves up to 1.5 GiB of scratch by default
 
@@ -112,6 +112,7 @@ class VectorIndex:
         self._result_arrays: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._kernel = normalise_kernel()  # None: numpy normalises
         self._retrieve = retrieve_kernel()  # None: search_next in numpy
+        self._address = array_address()  # an array's data address, cheaply where it can
         self._scratch: np.ndarray | None = None  # the compiled kernel's rows of a step
         self._query = np.empty(dim, np.float32)  # search_next's normalised query
         self._next_out: tuple | None = None  # see _next_addresses
@@ -311,8 +312,8 @@ class VectorIndex:
         earlier position); with each, how many tokens up to the root the context before
         it agrees with the context's end (1 + matching tokens, at most `max_agree`). Only
         those rows are read; the rows waiting to be stored are stored first."""
-        if np.size(query) != self.dim:
-            raise ValueError(f"query has {np.size(query)} values: accepted is one row of "
+        if query.size != self.dim:
+            raise ValueError(f"query has {query.size} values: accepted is one row of "
                              f"{self.dim}")
         n = len(tokens)
         if self._n == 0 or n < 3 or k <= 0:
@@ -328,9 +329,9 @@ class VectorIndex:
         out = self._next_out
         if out is None or len(out[0]) < k:
             out = self._next_addresses(max(k, 0 if out is None else len(out[0])))
-        staged = self._staged
-        got = self._retrieve(out[3][0], staged, q.ctypes.data, self.dim, out[3][1],
-                             out[4][0], self._stored, out[3][2], toks.ctypes.data, n,
+        staged, address = self._staged, self._address
+        got = self._retrieve(out[3][0], staged, address(q), self.dim, out[3][1],
+                             out[4][0], self._stored, out[3][2], address(toks), n,
                              int(root), out[4][1], k, min_score, max_agree, *out[3][3:])
         self._stored += staged
         self._staged = 0

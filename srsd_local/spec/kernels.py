@@ -22,6 +22,7 @@ the known next token follows scored, their top k kept (srsd_retrieve).
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from functools import lru_cache
 from importlib import resources
 
@@ -66,7 +67,35 @@ def library() -> ctypes.CDLL | None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [p, i64, p, i64, p, p, i64, p, p, i64, ctypes.c_int32, p, i64,
                    ctypes.c_float, i64, p, p, p]
+    lib.srsd_set_array_data_offset.argtypes = [ctypes.c_long]
+    lib.srsd_set_array_data_offset.restype = None
+    lib.srsd_array_data.argtypes = [ctypes.py_object]
+    lib.srsd_array_data.restype = ctypes.c_void_p
     return lib
+
+
+def _ctypes_address(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+@lru_cache(maxsize=1)
+def array_address() -> Callable[[np.ndarray], int]:
+    """A function giving a numpy array's data address: read from the array object in one
+    compiled call where the build has it and numpy's layout checks out (the pointer right
+    after the object header, compared with `.ctypes.data` on arrays, views and slices),
+    else `.ctypes.data` (a helper object made in Python code: tens of microseconds on the
+    caches a forward pass has just flushed, against a few)."""
+    lib = library()
+    if lib is None:
+        return _ctypes_address
+    lib.srsd_set_array_data_offset(object.__basicsize__)
+    fn = lib.srsd_array_data
+    probes = [np.zeros(8, np.int32), np.zeros((3, 5), np.float32)[1:], np.arange(10)[2:7],
+              np.zeros(640, np.float32)[None, :][0], np.zeros(4, np.int64)[::2]]
+    if all(fn(a) == a.ctypes.data for a in probes):
+        return fn
+    lib.srsd_set_array_data_offset(-1)
+    return _ctypes_address
 
 
 class TemperatureKernel:
@@ -91,8 +120,8 @@ class TemperatureKernel:
     def __call__(self, logits: np.ndarray, u: float) -> int:
         x = logits if (logits.dtype == np.float32 and logits.flags.c_contiguous) else \
             np.ascontiguousarray(logits, dtype=np.float32)
-        n = x.size
-        return int(self.fn(x.ctypes.data, n, self.inv_t, u, self.scratch(n).ctypes.data,
+        n, address = x.size, array_address()
+        return int(self.fn(address(x), n, self.inv_t, u, address(self.scratch(n)),
                            self.threads_for(n)))
 
 
@@ -115,13 +144,13 @@ class NormaliseKernel:
         """parts: float32 blocks of rows ([k, dim] with contiguous rows, or [dim]); center:
         float32 [dim], contiguous; out: float32 [sum of k, dim], contiguous: the parts'
         rows one after the other, written."""
-        dim = center.shape[0]
-        fn, c, o = self._fn, center.ctypes.data, out.ctypes.data
+        dim, address = center.shape[0], array_address()
+        fn, c, o = self._fn, address(center), address(out)
         for x in parts:
             if x.dtype != np.float32 or not x.flags.c_contiguous:
                 x = np.ascontiguousarray(x, dtype=np.float32)
             k = x.size // dim
-            fn(x.ctypes.data, k, dim, c, o)
+            fn(address(x), k, dim, c, o)
             o += 4 * k * dim
 
 

@@ -90,7 +90,7 @@ class _Stream:
     def __init__(self, capacity: int = 256) -> None:
         self.buf = np.empty(max(capacity, 16), dtype=np.int32)  # (as the context)
         self.n = 0
-        self.pending: deque[tuple[int, np.ndarray]] = deque()  # (position of draft[0], draft)
+        self.pending: deque[tuple[int, list[int]]] = deque()  # (position of draft[0], draft)
         self.misses = 0
 
     def append(self, toks: np.ndarray) -> None:
@@ -158,8 +158,9 @@ class NgramModDrafter(Drafter):
         m = len(ctx)
         for i, s in enumerate(self._streams):
             k = s.n
-            if k <= m and (k == 0 or ctx[k - 1] == s.buf[k - 1]) and \
-                    np.array_equal(ctx[:k], s.buf[:k]):
+            # (bytes compared: np.array_equal's ufunc and reduction cost ~0.1 ms on the
+            # caches a forward pass has just flushed, a copy and memcmp a tenth of that)
+            if k <= m and (k == 0 or ctx[:k].tobytes() == s.buf[:k].tobytes()):
                 if i:
                     self._streams.insert(0, self._streams.pop(i))
                 self._extend(s, ctx)
@@ -189,9 +190,9 @@ class NgramModDrafter(Drafter):
         if len(self._pool) > max(self.max_entries, s.n):
             self._restart(s)
 
-    def _check(self, s: _Stream, start: int, draft: np.ndarray) -> None:
-        eq = draft == s.buf[start: start + len(draft)]
-        ok = len(draft) if eq.all() else int(np.argmin(eq))
+    def _check(self, s: _Stream, start: int, draft: list[int]) -> None:
+        got = s.buf[start: start + len(draft)].tolist()
+        ok = next((i for i, (a, b) in enumerate(zip(draft, got)) if a != b), len(draft))
         self.stats.checked += len(draft)
         self.stats.matched += ok
         if ok >= LOW_ACCEPT * len(draft):
@@ -256,7 +257,8 @@ class NgramModDrafter(Drafter):
         `n_min` lookups; weight = mean over its tokens of same / (seen + 1), about 1/2 for text
         seen once, nearer 1 the more often each step was confirmed, lower past a divergence
         confirmed again; agree = n_match (the context tokens the key matched, root included)."""
-        s = self._sync(np.asarray(inp.tokens))
+        tokens = inp.tokens
+        s = self._sync(tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens))
         self.stats.calls += 1
         n, m = self.n_match, s.n
         if m < n - 1:
@@ -282,7 +284,7 @@ class NgramModDrafter(Drafter):
             seq.append(t)
         if len(draft) < self.n_min:
             return []
-        path = np.asarray(draft[:depth], dtype=np.int32)
+        path = draft[:depth]  # (a list: the merge takes lists)
         s.pending.append((m + 1, path))
         self.stats.drafts += 1
         self.stats.drafted += len(path)
