@@ -162,3 +162,32 @@ def test_copy_runs_on_the_fake_emit_what_plain_decoding_emits():
         off.speculator.follow = lambda *a, **k: None
         ref = off.generate(prompt, max_tokens=80, mode="srsd", **kw)
         assert ref.token_ids == plain.token_ids
+
+
+def _find_copy_reference(tokens: np.ndarray, root: int, match: int) -> int | None:
+    """find_copy's definition, position by position."""
+    n = len(tokens)
+    m = min(match, n - 2)
+    if m < 1:
+        return None
+    for c in range(n - 2, m - 1, -1):
+        if tokens[c] == root and all(tokens[c - k] == tokens[n - k] for k in range(1, m + 1)):
+            return c
+    return None
+
+
+def test_find_copy_equals_its_definition_on_random_contexts():
+    """The bytes search finds what a position-by-position check finds (the most recent
+    copy, never one whose bytes straddle token boundaries) on small alphabets, where
+    matches are many, and on token ids whose bytes repeat across boundaries."""
+    rng = np.random.default_rng(7)
+    for trial in range(400):
+        n = int(rng.integers(1, 60))
+        vocab = [3, 5, 40][trial % 3]
+        toks = rng.integers(0, vocab, n).astype(np.int32)
+        if trial % 4 == 0:  # ids like 0x01010101 and 0x00000101: byte patterns that repeat
+            toks = np.where(toks % 2 == 0, 0x01010101, 0x00000101).astype(np.int32)
+        root = int(toks[int(rng.integers(0, n))]) if trial % 5 else int(rng.integers(0, vocab))
+        for match in (1, 2, 4, 8):
+            assert find_copy(toks, root, match) == _find_copy_reference(toks, root, match), \
+                (toks.tolist(), root, match)

@@ -24,6 +24,7 @@ A profile measured while the machine was busy must not switch speculation off fo
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 
@@ -60,18 +61,34 @@ class CostModel:
         self.sizes = np.asarray(sizes, dtype=np.int64)
         if np.any(np.diff(self.sizes) <= 0):
             raise ValueError("cost profile sizes must increase")
-        self.raw = np.maximum(np.asarray(seconds, dtype=np.float64), 1e-6)  # as profiled
+        # as profiled, and the step of each point's last confirmation: numpy views of
+        # array("d") buffers, which the per-step code indexes (an item of an array("d") is
+        # a C call; numpy's indexing and its setitem cost tens of microseconds on the caches
+        # a forward pass has just flushed)
+        self._raw = array("d", np.maximum(np.asarray(seconds, dtype=np.float64), 1e-6).tolist())
+        self.raw = np.frombuffer(self._raw, dtype=np.float64)
         self.scale = 1.0  # how much slower the machine is now than when profiled
         self.per_kv = max(float(per_kv), 0.0)
         self.ctx0 = int(ctx0)
         self.alpha = alpha
         self.steps = 0  # steps observed
-        self.confirmed = np.full(len(self.sizes), -np.inf)  # step of the last confirmation
+        self._confirmed = array("d", [-np.inf]) * len(self.sizes)
+        self.confirmed = np.frombuffer(self._confirmed, dtype=np.float64)
         self.surprises = 0  # steps far faster than their estimate (estimate replaced)
         self._sizes_for: dict[int, tuple[list[int], list[int], list[bool]]] = {}
         self._sizes_list: list[int] = self.sizes.tolist()
         self._plain_confirmed = False  # whether a plain step confirmed t(1) yet
         self._update()
+
+    def __getstate__(self) -> dict:  # (copies and pickles: the numpy views made again)
+        state = self.__dict__.copy()
+        del state["raw"], state["confirmed"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.raw = np.frombuffer(self._raw, dtype=np.float64)
+        self.confirmed = np.frombuffer(self._confirmed, dtype=np.float64)
 
     def _update(self, shape_changed: bool = True) -> None:
         """The estimates as read through the bounds: t(1) <= t(n) <= n t(1); an estimate
@@ -80,17 +97,16 @@ class CostModel:
         if not shape_changed:
             self._seconds = None  # scaled again when next read
             return
-        raw, sizes = self.raw.tolist(), self._sizes_list  # plain Python: a dozen points,
+        raw, sizes = self._raw.tolist(), self._sizes_list  # plain Python: a dozen points,
         t1 = raw[0]  # every tree step, on caches a forward pass just flushed
         t = [min(max(r, t1), t1 * s) for r, s in zip(raw, sizes)]
         cap = np.inf
-        for k, conf in zip(range(len(t) - 1, -1, -1), self.confirmed[::-1].tolist()):
+        for k, conf in zip(range(len(t) - 1, -1, -1), reversed(self._confirmed)):
             if conf != -np.inf:
                 cap = min(cap, t[k])
             elif t[k] > cap:
                 t[k] = cap
         self._shape_list = t
-        self._shape = np.array(t)
         self._t1 = t1
         self._seconds = None
 
@@ -98,7 +114,7 @@ class CostModel:
     def seconds(self) -> np.ndarray:
         """The current estimate of t(n) at the profile's sizes (shape x scale)."""
         if self._seconds is None:
-            self._seconds = self.scale * self._shape
+            self._seconds = self.scale * np.array(self._shape_list)
         return self._seconds
 
     def _base(self, n: np.ndarray, seconds: np.ndarray | None = None) -> np.ndarray:
@@ -138,7 +154,7 @@ class CostModel:
             first, steps = sec[0], self.steps
             sec = [min(v, first * (1.0 + OPTIMISTIC_SLOPE * (m - 1)))
                    if steps - conf > STALE_STEPS else v
-                   for v, m, conf in zip(sec, sizes, self.confirmed.tolist())]
+                   for v, m, conf in zip(sec, sizes, self._confirmed)]
         per_tok = self._per_token(ctx)
         # a profiled size costs its point; other sizes (none, or past the last point, or
         # with no room to pad) are interpolated
@@ -180,7 +196,7 @@ class CostModel:
     def can_explore(self, n_max: int) -> bool:
         """Whether some size up to n_max is stale (worth an exploratory plan)."""
         k = bisect_right(self._sizes_list, max(n_max, 1))  # sizes <= n_max
-        return self.steps - min(self.confirmed[:k].tolist()) > STALE_STEPS
+        return self.steps - min(self._confirmed[:k]) > STALE_STEPS
 
     def observe(self, n: int, seconds: float, ctx: int | None = None) -> None:
         """Correct the profile with a measured step time: a plain step (n=1) rescales the
@@ -201,7 +217,7 @@ class CostModel:
                 self.scale += self.alpha * (target - self.scale)
             first = not self._plain_confirmed
             self._plain_confirmed = True
-            self.confirmed[0] = self.steps
+            self._confirmed[0] = self.steps
             self._update(shape_changed=first)
             return
         seconds /= self.scale  # in the profile's units (plain Python from here on)
@@ -213,7 +229,7 @@ class CostModel:
             lo, hi = max(idx - 1, 0), min(idx, len(sizes) - 1)
             points = sorted({lo, hi} - {0})
             err = seconds - _interp(n, sizes, view)
-        raw = self.raw
+        raw = self._raw
         for j in points:
             if seconds < view[j]:  # faster than believed: believe it now
                 r = min(float(raw[j]), view[j] + err)
@@ -225,7 +241,7 @@ class CostModel:
             if sizes[j] == n:  # a neighbour's estimate is only inferred: it stays
                 # open to exploration (a poisoned t(4), corrected from a 5-token step to
                 # what 5 tokens cost, would otherwise pass for measured and rule 4 out)
-                self.confirmed[j] = self.steps
+                self._confirmed[j] = self.steps
         self._update()
 
     def to_dict(self) -> dict:
