@@ -59,7 +59,7 @@ def test_the_drafter_drafts_the_rest_of_a_value_its_known_first_token_began():
     drafter = AnalogyDrafter(SRSDConfig(draft_depth=12))
     ctx = TWO + CURRENT + b'{"name": "'
     [(toks, weight, agree)] = drafter.propose(byte_input(ctx, ord("s")))
-    assert bytes(toks.tolist()) == b'horten", "si'  # draft_depth bytes
+    assert bytes(list(toks)) == b'horten", "si'  # draft_depth bytes
     assert 0 < weight <= 1 and agree >= 1
     # the root contradicts the analogy: nothing
     assert drafter.propose(byte_input(ctx, ord("x"))) == []
@@ -89,7 +89,7 @@ def test_a_literal_ends_where_the_example_copies_again_and_drafts_chain_through_
     assert found.literal == b'", "signature": "' and found.more
     drafter = AnalogyDrafter(SRSDConfig(draft_depth=100))
     [(toks, _, _)] = drafter.propose(byte_input(TWO + CURRENT + b'{"name": "', ord("s")))
-    assert bytes(toks.tolist()).startswith(
+    assert bytes(list(toks)).startswith(
         b'horten", "signature": "shorten(text, width)", "summary": "Collapse and truncate')
 
 
@@ -100,7 +100,7 @@ def test_a_value_after_text_a_grammar_forces_is_drafted_after_it():
     assert drafter.propose(inp) == []  # the suffix is no example's key yet
     inp.forced = list(b' "signature": "')
     [(toks, _, _)] = drafter.propose(inp)
-    assert bytes(toks.tolist()).startswith(b' "signature": "shorten(text, width)", "summary')
+    assert bytes(list(toks)).startswith(b' "signature": "shorten(text, width)", "summary')
 
 
 PIECES = {256: b" n", 257: b"smallest", 258: b"ns", 259: b"mall", 260: b"est"}
@@ -139,12 +139,12 @@ def test_a_copied_name_is_also_drafted_in_the_tokens_of_its_source():
     inp = DraftInput(np.asarray(ctx, dtype=np.int32), ord("n"), None, None,
                      text=text + b"n", tokenize=toy_tokenize, piece=piece, ends=ends)
     proposals = drafter.propose(inp)  # the root `n` began the value as the source spells it
-    assert [p[0].tolist()[:2] for p in proposals] == [[257, ord('"')]]
+    assert [list(p[0])[:2] for p in proposals] == [[257, ord('"')]]
     # `{"name"` + the root `:`, and the grammar forces ` "`: the source's spelling
     inp = DraftInput(np.asarray(ctx[:-3], dtype=np.int32), ord(":"), None, None,
                      text=text[:-3] + b":", tokenize=toy_tokenize, piece=piece,
                      ends=ends[:-3], forced=[ord(" "), ord('"')])
-    heads = sorted(p[0].tolist()[:5] for p in drafter.propose(inp))
+    heads = sorted(list(p[0])[:5] for p in drafter.propose(inp))
     assert heads == [[32, 34, ord("n"), 257, 34]]
 
 
@@ -180,7 +180,7 @@ def test_text_lookup_also_drafts_a_copy_as_its_source_spells_it():
         ends.append(len(text))
     inp = DraftInput(np.asarray(ctx, dtype=np.int32), 256, None, None,
                      text=text + b" n", tokenize=toy_tokenize, piece=piece, ends=ends)
-    drafts = [p[0].tolist() for p in TextLookupDrafter(SRSDConfig(draft_depth=6)).propose(inp)]
+    drafts = [list(p[0]) for p in TextLookupDrafter(SRSDConfig(draft_depth=6)).propose(inp)]
     # after `def n` the source went on with its token `smallest`; the tokenizer would write
     # `s|mall|est`: both are drafted
     assert [257, ord("("), ord("n")] in [d[:3] for d in drafts]
@@ -193,7 +193,7 @@ def test_a_chain_stops_where_the_next_value_has_no_counterpart():
     current = b"Function:\ndef shorten(text, width):\n    pass\n\nJSON: "
     drafter = AnalogyDrafter(SRSDConfig(draft_depth=100))
     [(toks, _, _)] = drafter.propose(byte_input(TWO + current + b'{"name": "', ord("s")))
-    draft = bytes(toks.tolist())
+    draft = bytes(list(toks))
     assert draft.startswith(b'horten", "signature": "shorten(text, width)", "summary')
     assert b"Quickly" not in draft and b"Adds" not in draft
 
@@ -202,18 +202,18 @@ def test_a_chain_cut_at_the_draft_depth_goes_on_where_the_model_followed_it():
     drafter = AnalogyDrafter(SRSDConfig(draft_depth=12))
     ctx = TWO + CURRENT + b'{"name": "'
     [(toks, _, _)] = drafter.propose(byte_input(ctx, ord("s")))
-    assert bytes(toks.tolist()) == b'horten", "si'
+    assert bytes(list(toks)) == b'horten", "si'
     # the model accepted that and chose `g`: in the middle of the key, where no analogy is
     # found afresh, the rest of the chain is drafted
-    ctx += b's' + bytes(toks.tolist())
+    ctx += b's' + bytes(list(toks))
     assert find_analogy(ctx + b"g") is None or not find_analogy(ctx + b"g").confirmed
     [(toks, _, _)] = drafter.propose(byte_input(ctx, ord("g")))
-    assert bytes(toks.tolist()) == b'nature": "sh'
+    assert bytes(list(toks)) == b'nature": "sh'
     # two steps on, in the middle of the signature's value: still the chain, drafted on
     # past its first length limit
-    ctx += b"g" + bytes(toks.tolist()) + b"o"
+    ctx += b"g" + bytes(list(toks)) + b"o"
     [(toks, _, _)] = drafter.propose(byte_input(ctx, ord("r")))
-    assert bytes(toks.tolist()) == b'ten(text, wi'
+    assert bytes(list(toks)) == b'ten(text, wi'
     # the model went elsewhere: nothing from the chain
     assert drafter.propose(byte_input(ctx + b"rten(x", ord(","))) == []
 
@@ -240,4 +240,4 @@ def test_a_paragraph_the_examples_copied_whole_is_copied_whole_across_its_line_b
     drafter = AnalogyDrafter(SRSDConfig(draft_depth=200))
     [(toks, _, _)] = drafter.propose(byte_input(two + current + b'{"name": "which", "summary": ',
                                                 ord('"')))
-    assert bytes(toks.tolist()).startswith(b"Given a command, return the path which conforms")
+    assert bytes(list(toks)).startswith(b"Given a command, return the path which conforms")

@@ -52,7 +52,7 @@ def test_the_draft_is_the_text_after_the_match_retokenized_with_a_shorter_match_
     text = b'def shorten(text):\n{"name": "shorten", "sig": "short'
     props = TextLookupDrafter(cfg).propose(DraftInput(np.zeros(3, np.int32), 0, None, None,
                                                       text=text, tokenize=_tok))
-    conts = [bytes(p[0].tolist()) for p in props]
+    conts = [bytes(list(p[0])) for p in props]
     # the longest match (`: "short`, in the name value) first, then the def line's copy
     assert conts[0] == b'en", "si'
     assert b"en(text)" in conts
@@ -62,7 +62,7 @@ def test_the_draft_is_the_text_after_the_match_retokenized_with_a_shorter_match_
     longer = TextLookupDrafter(SRSDConfig(draft_depth=2)).propose(DraftInput(
         np.zeros(3, np.int32), 0, None, None, text=b"one two three four five six; one two",
         tokenize=words))
-    assert len(longer[0][0]) == 2 and longer[0][0].tolist() == words(b" three four")[:2]
+    assert len(longer[0][0]) == 2 and list(longer[0][0]) == words(b" three four")[:2]
 
 
 def test_no_draft_without_text_tokenizer_or_a_long_enough_repeat():
@@ -116,19 +116,19 @@ def test_a_rewrapped_copy_is_drafted_from_the_collapsed_text():
     inp = DraftInput(np.zeros(3, np.int32), 0, None, None, text=text, flat=bytes(ct.flat),
                      tokenize=_tok)
     # at the line end both continuations are drafted: the exact one and the unwrapped one
-    conts = [bytes(p[0].tolist()) for p in d.propose(inp)]
+    conts = [bytes(list(p[0])) for p in d.propose(inp)]
     assert conts[0].startswith(b"\n    te") and b" text to" in conts
     # once the copy has crossed the line end only the collapsed text still matches that far
     text2 = text + b" text to"
     ct.sync(np.asarray(list(text2), np.int32), lambda t: bytes([t]))
     props = d.propose(DraftInput(np.zeros(3, np.int32), 0, None, None, text=text2,
                                  flat=bytes(ct.flat), tokenize=_tok))
-    assert bytes(props[0][0].tolist()) == b" fit in "
+    assert bytes(list(props[0][0])) == b" fit in "
     assert props[0][2] == 8  # the long collapsed match is its evidence
     # without the collapsed text only the exact continuation is drafted
     plain = d.propose(DraftInput(np.zeros(3, np.int32), 0, None, None, text=text,
                                  tokenize=_tok))
-    assert [bytes(p[0].tolist())[:5] for p in plain] == [b"\n    "]
+    assert [bytes(list(p[0]))[:5] for p in plain] == [b"\n    "]
 
 
 def test_the_engine_keeps_each_slots_text_equal_to_its_context_through_reuse_and_cuts():
@@ -184,7 +184,7 @@ def test_a_copy_from_a_token_boundary_outside_a_word_is_drafted_in_the_sources_t
         ends.append(len(text))
     inp = DraftInput(np.asarray(ctx, dtype=np.int32), ord("("), None, None,
                      text=text + b"(", tokenize=tokenize, piece=piece, ends=ends)
-    drafts = [p[0].tolist() for p in TextLookupDrafter(SRSDConfig(draft_depth=6)).propose(inp)]
+    drafts = [list(p[0]) for p in TextLookupDrafter(SRSDConfig(draft_depth=6)).propose(inp)]
     # `call(` repeats; what followed it began with the source's token `bar`: its tokens, up
     # to the context's end, without a tokenizer call
     assert drafts[0] == [300, 301, ord(")"), ord("\n"), ord("c"), ord("a")]
@@ -215,12 +215,12 @@ def test_a_copy_from_inside_a_word_tokenizes_only_the_words_rest_then_the_source
     inp = DraftInput(np.asarray(ctx, dtype=np.int32), 311, None, None,
                      text=text + piece(311), tokenize=tokenize, piece=piece, ends=ends)
     drafter = TextLookupDrafter(SRSDConfig(draft_depth=5))
-    drafts = [p[0].tolist() for p in drafter.propose(inp)]
+    drafts = [list(p[0]) for p in drafter.propose(inp)]
     assert drafts[0] == [310, 301, ord("("), 302, ord(")")]
     # (and, as a branch, the source's own split from inside its token: `rt`, then `en`)
     assert [ord("r"), ord("t"), 301, ord("("), 302] in drafts
     assert calls == [b"rten", b"rt"]
-    assert [p[0].tolist() for p in drafter.propose(inp)] == drafts
+    assert [list(p[0]) for p in drafter.propose(inp)] == drafts
     assert calls == [b"rten", b"rt"]  # both remembered
 
 

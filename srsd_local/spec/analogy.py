@@ -21,8 +21,6 @@ import re
 from dataclasses import dataclass
 from typing import TypeGuard
 
-import numpy as np
-
 from ..config import SRSDConfig
 from .draft import ANALOGY, Drafter, DraftInput, Proposal
 from .textlookup import longest_found, longest_repeat, source_tokens
@@ -201,7 +199,7 @@ class AnalogyDrafter(Drafter):
             return []
         # two examples agree on the place: strong evidence (weight), and the shorter of the
         # anchor and the traced copy says how specific the place is (agreement)
-        return [(np.asarray(toks, dtype=np.int32), min(1.0, (found.anchor + found.source) / 32),
+        return [(list(toks), min(1.0, (found.anchor + found.source) / 32),
                  max(1, min(8, min(found.anchor, found.source) // 4)))]
 
     def _resume(self, inp: DraftInput) -> list[Proposal] | None:

@@ -25,8 +25,6 @@ Pure Python (bytes.rfind and a short scan, a few microseconds).
 
 from __future__ import annotations
 
-import numpy as np
-
 from ..config import SRSDConfig
 from .draft import LIST, Drafter, DraftInput, Proposal
 from .textlookup import source_tokens
@@ -331,7 +329,7 @@ class ListCopyDrafter(Drafter):
         if self._last[0] != key:
             self._last = (key, self._tokens(pieces, inp))
         toks = self._last[1][: self.config.draft_depth]
-        return [(np.asarray(toks, dtype=np.int32), weight, 2)] if toks else []
+        return [(list(toks), weight, 2)] if toks else []
 
     def _tokens(self, pieces: list[Piece], inp: DraftInput) -> list[int]:
         """Each piece in the tokens of the text where it is (the output's own separator as

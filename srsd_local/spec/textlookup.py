@@ -253,19 +253,19 @@ class TextLookupDrafter(Drafter):
             end = ends[bisect_right(ends, min(start + span, ends[-1])) - 1]  # a token's end
             spelt = source_tokens(inp, start, end, self._memo) if end > start else None
             if spelt:
-                out.append((np.asarray(spelt[:depth], dtype=np.int32), weight, agree))
+                out.append((list(spelt[:depth]), weight, agree))
                 return
         toks = self._head_then_source(inp, start, span) if cache is self._cache else None
         if toks is None:
             toks = cache.tokens(start, cont, start + span >= len(text), depth // 2,
                                 self._tokenizer(inp), inp.piece)
         if toks:
-            out.append((np.asarray(toks[:depth], dtype=np.int32), weight, agree))
+            out.append((list(toks[:depth]), weight, agree))
         if cache is self._cache and toks and len(ends):  # the source's own tokens,
             # where they begin otherwise (a copy that begins inside a source token)
             spelt = source_tokens(inp, start, min(start + span, ends[-1]), self._memo)
             if spelt and spelt[:SPELL] != toks[:SPELL]:
-                out.append((np.asarray(spelt[:-1][:depth], dtype=np.int32), weight, agree))
+                out.append((list(spelt[:-1][:depth]), weight, agree))
 
 
     @staticmethod
