@@ -13,6 +13,7 @@ batch and hands each its rows back.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -84,7 +85,8 @@ class Work:
     prefill: bool = False  # a prompt chunk (not a decoding step)
     logits: np.ndarray | None = None
     hidden: np.ndarray | None = None
-    sampled: np.ndarray | None = None  # per flagged token: llama.cpp's in-graph argmax, or -1
+    # per flagged token: llama.cpp's in-graph argmax, or -1 (an int32 array("i") or numpy)
+    sampled: np.ndarray | array | None = None
     decode_seconds: float = 0.0
 
     def __len__(self) -> int:

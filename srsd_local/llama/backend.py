@@ -143,7 +143,7 @@ class DecodeOutput:
     hidden: np.ndarray | None  # float32 [n_tokens, n_embd] of the capture layer
     # per output row: the token llama.cpp's in-graph greedy sampler took (-1: the row's first
     # sequence has none); None when no row had one
-    sampled: np.ndarray | None = None
+    sampled: np.ndarray | array | None = None
 
 
 class Backend:
@@ -239,8 +239,10 @@ class Backend:
             self._b_pos = np.ctypeslib.as_array(self._batch.pos, shape=(cap,))
             self._b_nseq = np.ctypeslib.as_array(self._batch.n_seq_id, shape=(cap,))
             self._b_logits = np.ctypeslib.as_array(self._batch.logits, shape=(cap,))
-            self._tokens_buf = np.zeros(cap, np.int32)  # a call's in-graph sampled tokens
-            self._tokens_addr = self._tokens_buf.ctypes.data
+            # a call's in-graph sampled tokens (an int32 array("i"): its address and its
+            # slices come without numpy's calls, each slow on the caches a pass flushed)
+            self._tokens_buf = array("i", bytes(4 * cap))
+            self._tokens_addr = self._tokens_buf.buffer_info()[0]
             self._reader = sampled_reader(L)  # reads them in one call (None: one per row)
             self._filler = batch_filler(self._batch)  # a tree's rows in one call (or None)
             # the plain step writes its one token, and every step its rows' sequence ids,
@@ -557,7 +559,7 @@ class Backend:
         raw, sampled, some = True, None, False
         if plan is not None:
             raw, got, some = self._sampled(plan)
-            sampled = got if last else got.copy()  # (a reused buffer)
+            sampled = got if last or type(got) is array else got.copy()  # (a reused buffer)
         logits = None
         if n_out and raw:  # a view of llama.cpp's buffer: the next call overwrites it
             view = self._logits(n_out)
@@ -592,25 +594,27 @@ class Backend:
         """After the llama_decode call `plan` (_graph_plan) was made for: whether llama.cpp
         copied the logits rows out, the in-graph sampled token of each output row or -1 (a
         recorded or served call's as its recording holds it), and whether any row has one.
-        The tokens are a view of a buffer the next call overwrites, as logits rows are."""
+        The tokens are an int32 array("i") of their own (a recorded or served call's: a view
+        of a buffer the next call overwrites, as logits rows are)."""
         rep = self.replay
         if rep is not None:
             raw, got = rep.sampled_rows()
             some = int(np.count_nonzero(got >= 0))
         else:
             raw, rows = plan
-            got = self._tokens_buf[: len(rows)]
-            some = self._read_sampled(rows, got)
+            some = self._read_sampled(rows, self._tokens_buf)
+            got = self._tokens_buf[: len(rows)]  # (an array's slice: a copy)
         self.graph_rows += some
         return raw, got, some > 0
 
-    def _read_sampled(self, rows: array, out: np.ndarray) -> int:
-        """Into `out`: the in-graph sampled token of each batch row in `rows` (-1 for -1)
-        after the last llama_decode call; how many were sampled (in one compiled call where
-        there is a build, else one call into llama.cpp per row)."""
+    def _read_sampled(self, rows: array, out: array | np.ndarray) -> int:
+        """Into `out` (an int32 array("i") or numpy array): the in-graph sampled token of
+        each batch row in `rows` (-1 for -1) after the last llama_decode call; how many were
+        sampled (in one compiled call where there is a build, else one call into llama.cpp
+        per row)."""
         if self._reader is not None:
-            return self._reader(self.ctx, rows, self._tokens_addr if out.base is
-                                self._tokens_buf else out.ctypes.data)
+            return self._reader(self.ctx, rows, self._tokens_addr if out is self._tokens_buf
+                                else out.ctypes.data)
         get, ctx = self._L.llama_get_sampled_token_ith, self.ctx
         some = 0
         for k, i in enumerate(rows):
