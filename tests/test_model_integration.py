@@ -415,7 +415,7 @@ def test_a_rewrapped_copy_is_drafted_from_the_collapsed_text_on_the_real_model(f
         if len(out) > before:
             kind = "flat" if cache is self._flat_cache else "exact"
             step = proposals.setdefault(len(inp.tokens), {"flat": [], "exact": []})
-            step[kind].append(out[-1][0].tolist())
+            step[kind].append(list(out[-1][0]))
 
     monkeypatch.setattr(TextLookupDrafter, "_add", spy)
     prompt = load_workload("json")[0].prompt  # textwrap.shorten's docstring, wrapped
