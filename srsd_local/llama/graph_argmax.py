@@ -94,7 +94,7 @@ def batch_filler(batch):
     None for every row; `seq` every row's `nseq[i]` sequence ids one after the other); the
     number of output rows. None without a build."""
     lib = library()
-    if lib is None:
+    if lib is None or not _batch_layout_matches(type(batch)):
         return None
     fn, at = lib.srsd_fill_batch, ctypes.addressof(batch)
 
@@ -105,3 +105,12 @@ def batch_filler(batch):
                   seq.buffer_info()[0])
 
     return fill
+
+
+def _batch_layout_matches(kind: type) -> bool:
+    """Whether llama-cpp-python's llama_batch is laid out as `_argmax.c`'s `struct batch`
+    (an int32 count, then six pointers, each at its natural alignment)."""
+    ptr = ctypes.sizeof(ctypes.c_void_p)
+    names = ("token", "embd", "pos", "n_seq_id", "seq_id", "logits")
+    return kind.n_tokens.offset == 0 and all(
+        getattr(kind, name).offset == ptr * (k + 1) for k, name in enumerate(names))
