@@ -119,7 +119,8 @@ class FakeBackend:
     def step(self, token: int) -> DecodeOutput:
         return self.decode([token])
 
-    def step_at(self, token: int, pos: int, seq: int) -> DecodeOutput:
+    def step_at(self, token: int, pos: int, seq: int, capture: bool | None = None
+                ) -> DecodeOutput:
         return self.decode([token], positions=[pos], seq_ids=[[seq]])
 
     # sequence-explicit KV operations (the engine's slots)

@@ -167,6 +167,8 @@ def test_a_decode_waits_for_its_forward_pass_inside_the_timed_call(backend, monk
         time.sleep(0.05)
         waits.append(ctx)
     monkeypatch.setattr(backend_mod, "_synchronize", slow)
+    monkeypatch.setattr(backend, "_stepper", None)  # the plain step through ctypes (the
+    # compiled one: the next test)
     backend.clear()
     before = backend.decode_seconds
     ids = backend.tokenize("one two three")
@@ -179,6 +181,79 @@ def test_a_decode_waits_for_its_forward_pass_inside_the_timed_call(backend, monk
     assert len(waits) == 2
     backend.clear()
 
+
+def test_the_compiled_plain_step_waits_for_its_pass_and_equals_the_ctypes_step(backend):
+    """A plain step is one compiled call (`srsd_step_one`): it writes the batch, switches and
+    empties the capture, times llama_decode and llama_synchronize (a slow device's wait is
+    decode time) and reads the in-graph token; a failed call does not wait. Its logits, hidden
+    row and token equal the same step made through ctypes, with the capture on and off."""
+    import ctypes
+
+    from srsd_local.llama import backend as backend_mod
+    from srsd_local.llama.backend import DecodeError
+
+    assert backend._stepper is not None  # built with the system's C compiler
+    st = backend._step_state
+    real = backend_mod._ctx_fn(backend._L, "llama_synchronize", None)
+    waits = []
+
+    @ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+    def slow(ctx):
+        real(ctx)
+        time.sleep(0.05)
+        waits.append(ctx)
+
+    ids = backend.tokenize("one two three four")
+    compiled_sync = st.sync
+    st.sync = ctypes.cast(slow, ctypes.c_void_p).value
+    try:
+        backend.clear()
+        backend.decode(ids[:-1], want_logits="last")
+        before = backend.decode_seconds
+        backend.step(ids[-1])
+        assert waits == [backend.ctx]
+        assert backend.decode_seconds - before >= 0.05
+        with pytest.raises(DecodeError, match="failed with code"):  # a sequence id out of range
+            backend.step_at(ids[0], backend.n_past, 10_000)
+        assert len(waits) == 1
+    finally:
+        st.sync = compiled_sync
+
+    def one_step(compiled: bool, capture: bool):
+        backend.clear()
+        backend.decode(ids[:-1], want_logits="last")
+        stepper = backend._stepper
+        if not compiled:
+            backend._stepper = None
+        try:
+            out = backend.step_at(ids[-1], len(ids) - 1, 0, capture)
+        finally:
+            backend._stepper = stepper
+        return (out.logits.copy(), None if out.hidden is None else out.hidden.copy(),
+                backend.capture.enabled)
+
+    try:
+        for capture in (True, False):
+            got, want = one_step(True, capture), one_step(False, capture)
+            assert np.array_equal(got[0], want[0]) and got[0].shape == (1, backend.n_vocab)
+            assert got[2] is want[2] is capture
+            if capture:
+                assert got[1].shape == (1, backend.n_embd)
+                assert np.array_equal(got[1], want[1])
+            else:
+                assert got[1] is None and want[1] is None
+        # sampled in the graph: the token is llama.cpp's argmax of the row
+        backend.clear()
+        backend.decode(ids[:-1], want_logits="last")  # (takes sequence 0's sampler off)
+        assert backend.sample_main(0, True)
+        out = backend.step_at(ids[-1], len(ids) - 1, 0, True)
+        token = out.sampled[0]
+        assert np.isnan(out.logits).all()
+        assert token == int(np.argmax(one_step(False, True)[0][0]))
+    finally:
+        backend.sample_main(0, False)
+        backend.capture.enabled = True
+        backend.clear()
 
 def _sequential_rows(backend, prefix, branch):
     backend.clear()

@@ -535,8 +535,8 @@ class Engine:
             if len(works) == 1 and len(works[0][1]) == 1 and works[0][1].flags[0] and \
                     len(works[0][1].seq_ids[0]) == 1:
                 w = works[0][1]  # a plain step of one request: the fast path
-                self._set_capture(w.capture)
-                out = be.step_at(int(w.tokens[0]), int(w.positions[0]), w.seq_ids[0][0])
+                out = be.step_at(int(w.tokens[0]), int(w.positions[0]), w.seq_ids[0][0],
+                                 w.capture)
                 w.logits, w.hidden, w.sampled = out.logits, out.hidden, out.sampled
             else:
                 self._decode_together([w for _, w in works])

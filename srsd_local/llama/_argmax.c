@@ -17,10 +17,12 @@
  * srsd_argmax_setup checks the tensor fields against ggml's own functions on tensors it
  * makes, and the sampler is not offered (0 returned) when they disagree. */
 
+#define _POSIX_C_SOURCE 199309L /* clock_gettime */
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 struct ggml_context;
 struct ggml_cgraph;
@@ -330,4 +332,57 @@ int32_t srsd_fill_batch(struct batch *b, int32_t m, const int32_t *tok, const in
         for (int32_t j = 0; j < nseq[i]; ++j) b->seq_id[i][j] = *seq++;
     }
     return n_out;
+}
+
+/* A plain step in one call: one token of sequence `seq` at `pos` (its logits row wanted)
+ * written into the batch, the hidden-state capture switched on or off and emptied, then
+ * llama_decode, llama_synchronize (both timed with CLOCK_MONOTONIC, the clock of Python's
+ * perf_counter) and, asked for, the token llama.cpp's graph sampled for the row. From Python
+ * a plain step is then one call into C instead of a dozen ctypes writes, three calls into
+ * llama.cpp and two clock reads, each slow on the caches the last forward pass flushed.
+ * llama.cpp's functions are passed in as pointers (nothing is linked). */
+typedef int32_t (*decode_fn)(void *ctx, struct batch b);
+typedef void (*sync_fn)(void *ctx);
+
+struct step {
+    void *ctx;
+    struct batch *batch;
+    decode_fn decode;
+    sync_fn sync;
+    sampled_token_fn sampled;
+    int32_t *cap_enabled; /* the compiled capture's state fields (NULL: no capture) */
+    size_t *cap_used;
+    int64_t *cap_rows;
+    int32_t *cap_overflow;
+    double seconds; /* out: llama_decode and llama_synchronize */
+    int32_t token;  /* out: the row's in-graph sampled token (want_sampled), else -1 */
+};
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+int32_t srsd_step_one(struct step *s, int32_t token, int32_t pos, int32_t seq,
+                      int32_t capture, int32_t want_sampled) {
+    struct batch *b = s->batch;
+    b->n_tokens = 1;
+    b->token[0] = token;
+    b->pos[0] = pos;
+    b->logits[0] = 1;
+    b->n_seq_id[0] = 1;
+    b->seq_id[0][0] = seq;
+    if (s->cap_enabled) {
+        *s->cap_enabled = capture;
+        *s->cap_used = 0;
+        *s->cap_rows = 0;
+        *s->cap_overflow = 0;
+    }
+    const double t0 = now();
+    const int32_t rc = s->decode(s->ctx, *b);
+    if (rc == 0) s->sync(s->ctx);
+    s->seconds = now() - t0;
+    s->token = (rc == 0 && want_sampled) ? s->sampled(s->ctx, 0) : -1;
+    return rc;
 }

@@ -20,7 +20,7 @@ import numpy as np
 from ..config import SRSDConfig, environment
 from .capture import CompiledCapture, HiddenCapture, make_capture, resolve_layer
 from .cpubufs import cpu_features, use_extra_buffer_types
-from .graph_argmax import batch_filler, make_sampler, sampled_reader
+from .graph_argmax import batch_filler, make_sampler, plain_stepper, sampled_reader
 from .replay import PassReplay
 from .spm import SpmTokenizer
 
@@ -194,7 +194,7 @@ class Backend:
             # the logits of a row sampled in llama.cpp's graph (not copied out)
             self._nan_views: dict[int, np.ndarray] = {}
             self._no_rows = self._nan_rows(1)
-            self._one_token = np.zeros(1, np.int32)  # its token (reused: like a logits view)
+            self._one_token = array("i", [0])  # its token (reused: like a logits view)
             self.n_embd = L.llama_model_n_embd(self.model)
             self.n_layer = L.llama_model_n_layer(self.model)
             self.layer = None
@@ -245,6 +245,11 @@ class Backend:
             self._tokens_addr = self._tokens_buf.buffer_info()[0]
             self._reader = sampled_reader(L)  # reads them in one call (None: one per row)
             self._filler = batch_filler(self._batch)  # a tree's rows in one call (or None)
+            # a plain step in one call (None: through ctypes; the Python capture's callback
+            # cannot be switched from C)
+            stepper = None if isinstance(self.capture, HiddenCapture) else plain_stepper(
+                L, self.ctx, self._batch, None if self.capture is None else self.capture.state)
+            self._stepper, self._step_state = stepper or (None, None)
             # the plain step writes its one token, and every step its rows' sequence ids,
             # through ctypes pointers (fewer calls into numpy on caches a forward pass just
             # flushed)
@@ -651,10 +656,31 @@ class Backend:
         self.n_past += 1
         return out
 
-    def step_at(self, token: int, pos: int, seq: int) -> DecodeOutput:
-        """Decode one token of sequence `seq` at position `pos` with its logits."""
+    def step_at(self, token: int, pos: int, seq: int, capture: bool | None = None
+                ) -> DecodeOutput:
+        """Decode one token of sequence `seq` at position `pos` with its logits; `capture`:
+        whether the hidden-state capture takes its row (None: as it was set)."""
         if pos >= self.n_ctx:
             raise ContextFullError(f"context is full: {pos + 1} tokens, n_ctx={self.n_ctx}")
+        main = seq in self._main_chains  # its argmax taken in the graph: no row copied out
+        step = self._stepper
+        if step is not None and self.replay is None:  # the whole step in one compiled call
+            if capture is None:
+                capture = self.capture is not None and self.capture.enabled
+            rc = step(token, pos, seq, capture, main)
+            st = self._step_state
+            self.decode_seconds += st.seconds
+            if rc != 0:
+                self._decode_failed(rc, 1)
+            hidden = None if self.capture is None else self.capture.rows()
+            if main:
+                got = self._one_token
+                got[0] = st.token
+                self.graph_rows += 1
+                return DecodeOutput(self._no_rows, hidden, got)
+            return DecodeOutput(self._logits(1), hidden)
+        if capture is not None and self.capture is not None:
+            self.capture.enabled = capture
         self._batch.n_tokens = 1
         tok, p, logits, nseq, seq0 = self._p_one
         tok[0], p[0], logits[0], nseq[0], seq0[0] = token, pos, 1, 1, seq
@@ -662,7 +688,7 @@ class Backend:
             self.capture.reset()
         self._decode_batch(1)
         hidden = None if self.capture is None else self._captured()
-        if seq in self._main_chains:  # its argmax taken in the graph: no row copied out
+        if main:
             rep, got = self.replay, self._one_token
             got[0] = (rep.sampled_rows()[1][0] if rep is not None else
                       self._L.llama_get_sampled_token_ith(self.ctx, 0))
@@ -726,6 +752,10 @@ class Backend:
             if rep is not None:
                 rep.record(self, m, dt)
             return
+        self._decode_failed(rc, m)
+
+    def _decode_failed(self, rc: int, m: int) -> None:
+        """Raise what llama_decode's return code `rc` for a batch of m tokens means."""
         if rc == 1:
             raise ContextFullError(f"context is full: no KV cache slot for {m} more tokens "
                                    f"({self.n_past} in use, n_ctx={self.n_ctx})")

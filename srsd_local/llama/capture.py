@@ -150,6 +150,11 @@ class CompiledCapture:
         self.user_data = ctypes.cast(ctypes.pointer(st), ctypes.c_void_p)
 
     @property
+    def state(self) -> _CState:
+        """The C callback's state (a compiled plain step switches and empties it)."""
+        return self._state
+
+    @property
     def enabled(self) -> bool:
         return bool(self._state.enabled)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 from array import array
-from functools import lru_cache
+from functools import lru_cache, partial
 from importlib import resources
 
 from .. import store
@@ -48,6 +48,8 @@ def library() -> ctypes.CDLL | None:
     lib.srsd_read_sampled.restype = ctypes.c_int64
     lib.srsd_fill_batch.argtypes = [ctypes.c_void_p, ctypes.c_int32] + [ctypes.c_void_p] * 5
     lib.srsd_fill_batch.restype = ctypes.c_int32
+    lib.srsd_step_one.argtypes = [ctypes.c_void_p] + [ctypes.c_int32] * 5
+    lib.srsd_step_one.restype = ctypes.c_int32
     return lib
 
 
@@ -114,3 +116,42 @@ def _batch_layout_matches(kind: type) -> bool:
     names = ("token", "embd", "pos", "n_seq_id", "seq_id", "logits")
     return kind.n_tokens.offset == 0 and all(
         getattr(kind, name).offset == ptr * (k + 1) for k, name in enumerate(names))
+
+
+class StepState(ctypes.Structure):
+    """`_argmax.c`'s `struct step`: what a compiled plain step needs, and what it found."""
+
+    _fields_ = [("ctx", ctypes.c_void_p), ("batch", ctypes.c_void_p),
+                ("decode", ctypes.c_void_p), ("sync", ctypes.c_void_p),
+                ("sampled", ctypes.c_void_p), ("cap_enabled", ctypes.c_void_p),
+                ("cap_used", ctypes.c_void_p), ("cap_rows", ctypes.c_void_p),
+                ("cap_overflow", ctypes.c_void_p), ("seconds", ctypes.c_double),
+                ("token", ctypes.c_int32)]
+
+
+def plain_stepper(L, ctx, batch, capture_state=None):
+    """`(step, state)`: `step(token, pos, seq, capture, want_sampled) -> rc` (a partial of the
+    C function itself: no Python frame between) decodes one token
+    of sequence `seq` at position `pos` (its logits row wanted) with the llama_batch `batch`
+    of context `ctx`, in one compiled call: the batch written, the compiled capture (its
+    ctypes state struct `capture_state`, or None) switched on or off (`capture`) and emptied,
+    llama_decode and llama_synchronize timed (`state.seconds`), and with `want_sampled` the
+    token llama.cpp's graph sampled for the row (`state.token`, else -1). llama_decode's
+    return code comes back. None without a build or where the batch is not laid out as the
+    C code assumes."""
+    lib = library()
+    if lib is None or not _batch_layout_matches(type(batch)):
+        return None
+    st = StepState()
+    st.ctx = ctx
+    st.batch = ctypes.addressof(batch)
+    st.decode = ctypes.cast(L.llama_decode, ctypes.c_void_p).value
+    st.sync = ctypes.cast(L.llama_synchronize, ctypes.c_void_p).value
+    st.sampled = ctypes.cast(L.llama_get_sampled_token_ith, ctypes.c_void_p).value
+    if capture_state is not None:
+        base, kind = ctypes.addressof(capture_state), type(capture_state)
+        st.cap_enabled = base + kind.enabled.offset
+        st.cap_used = base + kind.used.offset
+        st.cap_rows = base + kind.rows.offset
+        st.cap_overflow = base + kind.overflow.offset
+    return partial(lib.srsd_step_one, ctypes.addressof(st)), st
