@@ -119,8 +119,8 @@ class FakeBackend:
     def step(self, token: int) -> DecodeOutput:
         return self.decode([token])
 
-    def step_at(self, token: int, pos: int, seq: int, capture: bool | None = None
-                ) -> DecodeOutput:
+    def step_at(self, token: int, pos: int, seq: int, capture: bool | None = None,
+                stage: int = 0) -> DecodeOutput:
         return self.decode([token], positions=[pos], seq_ids=[[seq]])
 
     # sequence-explicit KV operations (the engine's slots)

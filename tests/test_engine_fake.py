@@ -409,15 +409,18 @@ def test_a_failure_after_the_pass_fails_the_request_not_the_worker(monkeypatch):
 
     eng = make_engine(parallel=2)
     try:
-        real, calls = Speculator.observe_cost, []
+        calls = []
 
-        def failing(self, *a):
-            calls.append(1)
-            if len(calls) == 2:
-                raise RuntimeError("planted failure after the pass")
-            return real(self, *a)
+        def failing(real):
+            def update(self, *a):
+                calls.append(1)
+                if len(calls) == 2:
+                    raise RuntimeError("planted failure after the pass")
+                return real(self, *a)
+            return update
 
-        monkeypatch.setattr(Speculator, "observe_cost", failing)
+        for name in ("observe_cost", "observe_plain_cost"):  # (a plain step's own)
+            monkeypatch.setattr(Speculator, name, failing(getattr(Speculator, name)))
         with pytest.raises(RuntimeError, match="planted failure after the pass"):
             collect(eng.submit(prompt=PROMPT, max_tokens=20, mode="ar"))
         monkeypatch.undo()

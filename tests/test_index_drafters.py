@@ -115,6 +115,40 @@ def test_rows_added_step_by_step_are_indexed_like_rows_added_at_once(backend):
         steps.add(np.zeros((2, 31), np.float32), 200)
 
 
+def test_rows_written_at_the_stage_address_are_indexed_like_rows_added():
+    # a compiled plain step writes its captured row at `stage_address()` and the engine
+    # then calls `add_staged`: the index holds what `add` of the same rows would (across
+    # the pending rows filling up and being stored, searches in between, growth past the
+    # first buffer), and each returned row is the row written
+    import ctypes
+
+    from srsd_local.spec.index import MAX_PENDING
+
+    x = _data(1500, seed=3) + 0.5
+    added, staged = VectorIndex(32, 1600, "numpy"), VectorIndex(32, 1600, "numpy")
+    added.add(x[:20], 0)
+    staged.add(x[:20], 0)
+    for pos in range(20, 1500):
+        added.add(x[pos: pos + 1], pos)
+        at = staged.stage_address()
+        ctypes.memmove(at, x[pos].ctypes.data, x[pos].nbytes)
+        row = staged.add_staged(pos)
+        assert np.array_equal(row, x[pos])
+        assert staged._staged <= MAX_PENDING
+        if pos % 97 == 0:  # a search stores what is waiting (both indexes)
+            a, b = staged.search(x[pos - 5], 4), added.search(x[pos - 5], 4)
+            assert a.positions.tolist() == b.positions.tolist()
+    staged._flush()
+    added._flush()
+    assert len(staged) == len(added) == 1500
+    assert np.array_equal(staged._buf[:1500], added._buf[:1500])
+    assert np.array_equal(staged._pos[:1500], added._pos[:1500])
+    assert np.array_equal(staged._row_of[:1500], added._row_of[:1500])
+    full = VectorIndex(32, 1, "numpy")
+    full.add(x[:1], 0)
+    with pytest.raises(ValueError, match="full"):
+        full.add_staged(1)
+
 def _compiled_normalise():
     from srsd_local.spec import kernels
 

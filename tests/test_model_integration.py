@@ -185,8 +185,9 @@ def test_a_decode_waits_for_its_forward_pass_inside_the_timed_call(backend, monk
 def test_the_compiled_plain_step_waits_for_its_pass_and_equals_the_ctypes_step(backend):
     """A plain step is one compiled call (`srsd_step_one`): it writes the batch, switches and
     empties the capture, times llama_decode and llama_synchronize (a slow device's wait is
-    decode time) and reads the in-graph token; a failed call does not wait. Its logits, hidden
-    row and token equal the same step made through ctypes, with the capture on and off."""
+    decode time), reads the in-graph token and can put the captured row where it is told; a
+    failed call does not wait. Its logits, hidden row and token equal the same step made
+    through ctypes, with the capture on and off."""
     import ctypes
 
     from srsd_local.llama import backend as backend_mod
@@ -242,6 +243,15 @@ def test_the_compiled_plain_step_waits_for_its_pass_and_equals_the_ctypes_step(b
                 assert np.array_equal(got[1], want[1])
             else:
                 assert got[1] is None and want[1] is None
+        # with an address to stage the row at (the index's next pending row): the row goes
+        # there instead of coming back; not with the capture off
+        stage = np.full(backend.n_embd, -1.0, np.float32)
+        for capture in (False, True):
+            backend.clear()
+            backend.decode(ids[:-1], want_logits="last")
+            out = backend.step_at(ids[-1], len(ids) - 1, 0, capture, stage.ctypes.data)
+            assert out.staged is capture and out.hidden is None
+        assert np.array_equal(stage, one_step(False, True)[1][0])
         # sampled in the graph: the token is llama.cpp's argmax of the row
         backend.clear()
         backend.decode(ids[:-1], want_logits="last")  # (takes sequence 0's sampler off)

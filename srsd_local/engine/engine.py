@@ -521,6 +521,11 @@ class Engine:
         if not works:
             return
         be = self.backend
+        if len(works) == 1 and be.replay is None:
+            job, w = works[0]
+            if len(w) == 1 and w.flags[0] and len(w.seq_ids[0]) == 1:
+                self._plain_pass(job, w, t0)
+                return
         # what the cost model learns from the pass, but its time, is known before it (worked
         # out now: the pass flushes the caches)
         learn = self.config.adaptive and not any(w.prefill for _, w in works)
@@ -536,8 +541,9 @@ class Engine:
                     len(works[0][1].seq_ids[0]) == 1:
                 w = works[0][1]  # a plain step of one request: the fast path
                 out = be.step_at(int(w.tokens[0]), int(w.positions[0]), w.seq_ids[0][0],
-                                 w.capture)
+                                 w.capture, w.stage)
                 w.logits, w.hidden, w.sampled = out.logits, out.hidden, out.sampled
+                w.staged = out.staged
             else:
                 self._decode_together([w for _, w in works])
         except BaseException as exc:  # noqa: BLE001 - every request in the pass failed
@@ -552,6 +558,24 @@ class Engine:
             seconds = (time.perf_counter() - t0 if replay is None else
                        replay.take_seconds())
             self.speculator.observe_cost(n, seconds, ctx)
+
+    def _plain_pass(self, job: _Job, w: Work, t0: float) -> None:
+        """`_run_pass` for a plain step of one request (the most frequent pass, and the one
+        whose host time matters most): the token in one compiled call where there is one,
+        no sums over requests."""
+        be = self.backend
+        d0, ctx = be.decode_seconds, job.slot.n_past
+        try:
+            out = be.step_at(int(w.tokens[0]), int(w.positions[0]), w.seq_ids[0][0],
+                             w.capture, w.stage)
+        except BaseException as exc:  # noqa: BLE001 - delivered to the request's caller
+            job.fail(exc, throw=True)
+            return
+        w.logits, w.hidden, w.sampled, w.staged = out.logits, out.hidden, out.sampled, \
+            out.staged
+        w.decode_seconds = be.decode_seconds - d0
+        if self.config.adaptive:
+            self.speculator.observe_plain_cost(time.perf_counter() - t0, ctx)
 
     def _chunk_size(self, decoding_tokens: int) -> int:
         """Prompt tokens to prefill next to `decoding_tokens` of other requests: the
@@ -816,6 +840,8 @@ class Engine:
             if plan is None:
                 w = Work([x], [n], [[slot.base]], [1],  # no arrays: hot path
                          self.speculator.indexes(req))
+                if w.capture:  # its row straight into the index
+                    w.stage = slot.index.stage_address()
                 yield w
                 got = w.sampled  # (in a batch with other requests: -1 for this row
                 path, path_tokens = [0], [x]  # where this request's rows are not sampled)
@@ -851,7 +877,9 @@ class Engine:
                 slot.ctx[n] = x
             else:
                 slot.ctx[n: n + len(path)] = path_tokens
-            if req.uses_index and w.hidden is not None:  # (the rows are this step's own;
+            if w.staged:  # a plain step's row, in the index's pending rows already
+                slot.last_hidden = slot.index.add_staged(n)
+            elif req.uses_index and w.hidden is not None:  # (the rows are this step's own;
                 # a path through the tree's first nodes, as a chain's always is: a view)
                 k = len(path)
                 rows = w.hidden[:k] if path[-1] == k - 1 else w.hidden[path]

@@ -88,6 +88,10 @@ class Work:
     # per flagged token: llama.cpp's in-graph argmax, or -1 (an int32 array("i") or numpy)
     sampled: np.ndarray | array | None = None
     decode_seconds: float = 0.0
+    # a plain step: where its captured row may be written (an address, the index's next
+    # pending row; 0: nowhere), and whether it was (then `hidden` is None)
+    stage: int = 0
+    staged: bool = False
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -340,6 +340,8 @@ int32_t srsd_fill_batch(struct batch *b, int32_t m, const int32_t *tok, const in
  * perf_counter) and, asked for, the token llama.cpp's graph sampled for the row. From Python
  * a plain step is then one call into C instead of a dozen ctypes writes, three calls into
  * llama.cpp and two clock reads, each slow on the caches the last forward pass flushed.
+ * With `stage` (not NULL), a captured row of n_embd float32 values is copied there too (the
+ * index's next pending row: no numpy call to copy it out).
  * llama.cpp's functions are passed in as pointers (nothing is linked). */
 typedef int32_t (*decode_fn)(void *ctx, struct batch b);
 typedef void (*sync_fn)(void *ctx);
@@ -354,8 +356,13 @@ struct step {
     size_t *cap_used;
     int64_t *cap_rows;
     int32_t *cap_overflow;
+    int32_t *cap_type;
+    int64_t *cap_ne0;
+    char **cap_buf;
+    int64_t n_embd;
     double seconds; /* out: llama_decode and llama_synchronize */
     int32_t token;  /* out: the row's in-graph sampled token (want_sampled), else -1 */
+    int32_t staged; /* out: whether the captured row was copied to `stage` */
 };
 
 static double now(void) {
@@ -365,7 +372,7 @@ static double now(void) {
 }
 
 int32_t srsd_step_one(struct step *s, int32_t token, int32_t pos, int32_t seq,
-                      int32_t capture, int32_t want_sampled) {
+                      int32_t capture, int32_t want_sampled, float *stage) {
     struct batch *b = s->batch;
     b->n_tokens = 1;
     b->token[0] = token;
@@ -384,5 +391,12 @@ int32_t srsd_step_one(struct step *s, int32_t token, int32_t pos, int32_t seq,
     if (rc == 0) s->sync(s->ctx);
     s->seconds = now() - t0;
     s->token = (rc == 0 && want_sampled) ? s->sampled(s->ctx, 0) : -1;
+    s->staged = 0;
+    if (rc == 0 && stage && s->cap_enabled && capture && *s->cap_rows == 1 &&
+            !*s->cap_overflow && *s->cap_type == 0 /* GGML_TYPE_F32 */ &&
+            *s->cap_ne0 == s->n_embd) {
+        memcpy(stage, *s->cap_buf, (size_t)s->n_embd * sizeof(float));
+        s->staged = 1;
+    }
     return rc;
 }

@@ -144,6 +144,9 @@ class DecodeOutput:
     # per output row: the token llama.cpp's in-graph greedy sampler took (-1: the row's first
     # sequence has none); None when no row had one
     sampled: np.ndarray | array | None = None
+    # a plain step's captured row went to the address it was given (`step_at`'s `stage`)
+    # instead of `hidden`
+    staged: bool = False
 
 
 class Backend:
@@ -248,7 +251,8 @@ class Backend:
             # a plain step in one call (None: through ctypes; the Python capture's callback
             # cannot be switched from C)
             stepper = None if isinstance(self.capture, HiddenCapture) else plain_stepper(
-                L, self.ctx, self._batch, None if self.capture is None else self.capture.state)
+                L, self.ctx, self._batch, None if self.capture is None else self.capture.state,
+                self.n_embd)
             self._stepper, self._step_state = stepper or (None, None)
             # the plain step writes its one token, and every step its rows' sequence ids,
             # through ctypes pointers (fewer calls into numpy on caches a forward pass just
@@ -656,10 +660,12 @@ class Backend:
         self.n_past += 1
         return out
 
-    def step_at(self, token: int, pos: int, seq: int, capture: bool | None = None
-                ) -> DecodeOutput:
+    def step_at(self, token: int, pos: int, seq: int, capture: bool | None = None,
+                stage: int = 0) -> DecodeOutput:
         """Decode one token of sequence `seq` at position `pos` with its logits; `capture`:
-        whether the hidden-state capture takes its row (None: as it was set)."""
+        whether the hidden-state capture takes its row (None: as it was set). `stage`: an
+        address for n_embd float32 values where the compiled step may put the captured row
+        instead of returning it (`staged` says whether it did)."""
         if pos >= self.n_ctx:
             raise ContextFullError(f"context is full: {pos + 1} tokens, n_ctx={self.n_ctx}")
         main = seq in self._main_chains  # its argmax taken in the graph: no row copied out
@@ -667,18 +673,19 @@ class Backend:
         if step is not None and self.replay is None:  # the whole step in one compiled call
             if capture is None:
                 capture = self.capture is not None and self.capture.enabled
-            rc = step(token, pos, seq, capture, main)
+            rc = step(token, pos, seq, capture, main, stage or None)
             st = self._step_state
             self.decode_seconds += st.seconds
             if rc != 0:
                 self._decode_failed(rc, 1)
-            hidden = None if self.capture is None else self.capture.rows()
+            staged = stage and st.staged
+            hidden = None if staged or self.capture is None else self.capture.rows()
             if main:
                 got = self._one_token
                 got[0] = st.token
                 self.graph_rows += 1
-                return DecodeOutput(self._no_rows, hidden, got)
-            return DecodeOutput(self._logits(1), hidden)
+                return DecodeOutput(self._no_rows, hidden, got, bool(staged))
+            return DecodeOutput(self._logits(1), hidden, None, bool(staged))
         if capture is not None and self.capture is not None:
             self.capture.enabled = capture
         self._batch.n_tokens = 1

@@ -48,7 +48,7 @@ def library() -> ctypes.CDLL | None:
     lib.srsd_read_sampled.restype = ctypes.c_int64
     lib.srsd_fill_batch.argtypes = [ctypes.c_void_p, ctypes.c_int32] + [ctypes.c_void_p] * 5
     lib.srsd_fill_batch.restype = ctypes.c_int32
-    lib.srsd_step_one.argtypes = [ctypes.c_void_p] + [ctypes.c_int32] * 5
+    lib.srsd_step_one.argtypes = [ctypes.c_void_p] + [ctypes.c_int32] * 5 + [ctypes.c_void_p]
     lib.srsd_step_one.restype = ctypes.c_int32
     return lib
 
@@ -125,20 +125,23 @@ class StepState(ctypes.Structure):
                 ("decode", ctypes.c_void_p), ("sync", ctypes.c_void_p),
                 ("sampled", ctypes.c_void_p), ("cap_enabled", ctypes.c_void_p),
                 ("cap_used", ctypes.c_void_p), ("cap_rows", ctypes.c_void_p),
-                ("cap_overflow", ctypes.c_void_p), ("seconds", ctypes.c_double),
-                ("token", ctypes.c_int32)]
+                ("cap_overflow", ctypes.c_void_p), ("cap_type", ctypes.c_void_p),
+                ("cap_ne0", ctypes.c_void_p), ("cap_buf", ctypes.c_void_p),
+                ("n_embd", ctypes.c_int64), ("seconds", ctypes.c_double),
+                ("token", ctypes.c_int32), ("staged", ctypes.c_int32)]
 
 
-def plain_stepper(L, ctx, batch, capture_state=None):
-    """`(step, state)`: `step(token, pos, seq, capture, want_sampled) -> rc` (a partial of the
-    C function itself: no Python frame between) decodes one token
+def plain_stepper(L, ctx, batch, capture_state=None, n_embd: int = 0):
+    """`(step, state)`: `step(token, pos, seq, capture, want_sampled, stage) -> rc` (a partial
+    of the C function itself: no Python frame between) decodes one token
     of sequence `seq` at position `pos` (its logits row wanted) with the llama_batch `batch`
     of context `ctx`, in one compiled call: the batch written, the compiled capture (its
     ctypes state struct `capture_state`, or None) switched on or off (`capture`) and emptied,
     llama_decode and llama_synchronize timed (`state.seconds`), and with `want_sampled` the
-    token llama.cpp's graph sampled for the row (`state.token`, else -1). llama_decode's
-    return code comes back. None without a build or where the batch is not laid out as the
-    C code assumes."""
+    token llama.cpp's graph sampled for the row (`state.token`, else -1); with `stage` (an
+    address, or None) a captured row of `n_embd` float32 values is copied there as well
+    (`state.staged`). llama_decode's return code comes back. None without a build or where
+    the batch is not laid out as the C code assumes."""
     lib = library()
     if lib is None or not _batch_layout_matches(type(batch)):
         return None
@@ -154,4 +157,8 @@ def plain_stepper(L, ctx, batch, capture_state=None):
         st.cap_used = base + kind.used.offset
         st.cap_rows = base + kind.rows.offset
         st.cap_overflow = base + kind.overflow.offset
+        st.cap_type = base + kind.type.offset
+        st.cap_ne0 = base + kind.ne0.offset
+        st.cap_buf = base + kind.buf.offset
+        st.n_embd = n_embd
     return partial(lib.srsd_step_one, ctypes.addressof(st)), st

@@ -204,22 +204,13 @@ class CostModel:
         `alpha`), a bigger one corrects the points around n: a step faster than its estimate
         replaces it at once (load on the machine only ever adds time), slower ones move it
         by `alpha`."""
+        if n == 1:
+            self.observe_plain(seconds, ctx)
+            return
         self.steps += 1
         if ctx is not None and self.per_kv:
             seconds -= self.per_kv * n * max(0, ctx - self.ctx0)
         seconds = max(seconds, 1e-6)
-        if n == 1:  # plain Python: runs every step, the first thing after a forward pass
-            target = seconds / self._t1  # (t(1) as profiled: no step changes raw[0])
-            if seconds < 0.5 * self.scale * self._t1:
-                self.scale = target
-                self.surprises += 1
-            else:
-                self.scale += self.alpha * (target - self.scale)
-            first = not self._plain_confirmed
-            self._plain_confirmed = True
-            self._confirmed[0] = self.steps
-            self._update(shape_changed=first)
-            return
         seconds /= self.scale  # in the profile's units (plain Python from here on)
         view, sizes = self._shape_list, self._sizes_list
         idx = bisect_left(sizes, n)
@@ -243,6 +234,27 @@ class CostModel:
                 # what 5 tokens cost, would otherwise pass for measured and rule 4 out)
                 self._confirmed[j] = self.steps
         self._update()
+
+    def observe_plain(self, seconds: float, ctx: int | None = None) -> None:
+        """`observe` of a plain step: it rescales the whole profile. Plain Python: it runs
+        after every plain step, the first thing after a forward pass."""
+        self.steps += 1
+        if ctx is not None and self.per_kv and ctx > self.ctx0:
+            seconds -= self.per_kv * (ctx - self.ctx0)
+        if seconds < 1e-6:
+            seconds = 1e-6
+        t1 = self._t1  # (t(1) as profiled: no step changes raw[0])
+        if seconds < 0.5 * self.scale * t1:
+            self.scale = seconds / t1
+            self.surprises += 1
+        else:
+            self.scale += self.alpha * (seconds / t1 - self.scale)
+        self._confirmed[0] = self.steps
+        if self._plain_confirmed:
+            self._seconds = None  # scaled again when next read
+        else:
+            self._plain_confirmed = True
+            self._update()
 
     def to_dict(self) -> dict:
         return {"sizes": self.sizes.tolist(), "seconds": (self.raw * self.scale).tolist(),

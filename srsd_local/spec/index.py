@@ -104,6 +104,11 @@ class VectorIndex:
         # call per step, and normalised in one call, not one per row
         self._stage = np.empty((MAX_PENDING, dim), dtype=np.float32)
         self._staged = 0
+        # a plain step's row is written into the stage by the compiled step itself
+        # (`stage_address`, `add_staged`): the stage's address and its rows as views, taken
+        # once
+        self._stage_at = int(self._stage.ctypes.data)
+        self._stage_rows = list(self._stage)
         self._stored = 0
         self._buf = np.zeros((len(self._pos), dim), dtype=np.float16)
         self._faiss_index = None  # made, and filled from the buffer, when `search` needs it
@@ -277,6 +282,35 @@ class VectorIndex:
         else:
             self._stage[self._staged: self._staged + k] = x
             self._staged += k
+
+    def stage_address(self) -> int:
+        """The address of the float32 row (`dim` values) `add_staged` indexes next: the
+        caller's decode step writes a row there (the pending rows are stored first when
+        there is no room)."""
+        if self._staged >= MAX_PENDING:
+            self._flush()
+        return self._stage_at + 4 * self.dim * self._staged
+
+    def add_staged(self, position: int) -> np.ndarray:
+        """`add` of the row written at `stage_address()` for context position `position`,
+        without a copy; returns a view of the row (valid until the pending rows are stored
+        and its place is taken by a later row)."""
+        n, j = self._n, self._staged
+        if n + 1 > self.capacity:
+            raise ValueError(f"index is full: {n} + 1 rows > capacity {self.capacity} (the "
+                             "context size)")
+        row = self._stage_rows[j]
+        if self.center is None:
+            self._centre_on(row[None])
+        if n + 1 > len(self._pos):
+            self._grow(n + 1)
+        self._pos[n] = position
+        if position >= len(self._row_of):
+            self._cover(position)
+        self._row_of[position] = n
+        self._n = n + 1
+        self._staged = j + 1
+        return row
 
     def search(self, query: np.ndarray, k: int) -> Hits:
         """The k most similar indexed positions to `query` (a raw hidden row), best first."""

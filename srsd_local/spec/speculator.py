@@ -354,6 +354,11 @@ class Speculator:
         if self.config.adaptive:
             self.cost.observe(n, seconds, ctx)
 
+    def observe_plain_cost(self, seconds: float, ctx: int) -> None:
+        """`observe_cost` of a plain step (one token of one request)."""
+        if self.config.adaptive:
+            self.cost.observe_plain(seconds, ctx)
+
     def _learn(self, tree: TokenTree, ev: list[NodeEvidence | None], path: list[int],
                req: Request) -> None:
         """Every verified node whose parent was accepted is one outcome for calibration."""
