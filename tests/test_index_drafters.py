@@ -266,12 +266,19 @@ def test_search_next_compares_only_the_positions_the_next_token_follows(kernel):
         query = rows[rng.integers(0, 200)] + rng.normal(size=dim).astype(np.float32) * 0.5
         ctx, root = tokens[:200], int(tokens[rng.integers(0, 200)])
         k, min_score = int(rng.integers(1, 9)), float(rng.choice([-1.0, 0.0, 0.2]))
-        got = idx.search_next(query, ctx, root, k, min_score, 8)
+        depth = int(rng.choice([0, 1, 5, 16]))
+        got = idx.search_next(query, ctx, root, k, min_score, 8, depth)
         want = _next_hits_by_hand(idx, rows, indexed, query, ctx, root, k, min_score, 8)
         assert got.positions == [j for j, _, _ in want]
         np.testing.assert_allclose(got.scores, [s for _, s, _ in want], atol=1e-5)
         assert got.agree == [a for _, _, a in want]
         assert all(ctx[j + 1] == root for j in got.positions)
+        # with a depth, the tokens after each hit's root (fewer at the context's end)
+        assert got.follow == ([ctx[j + 2: j + 2 + depth].tolist() for j in got.positions]
+                              if depth else None)
+    end = idx.search_next(rows[196], tokens[:199], int(tokens[197]), 8, -1.0, 8, 6)
+    assert end.positions[0] == 196 and end.follow[0] == [int(tokens[198])]  # cut short
+    assert end.follow == [tokens[j + 2: min(j + 8, 199)].tolist() for j in end.positions]
     assert idx._staged == 0 and idx._stored == len(idx) == 199
     # stored rows are those a block stores: the same float16 values
     ref = VectorIndex(dim, 400, "numpy")

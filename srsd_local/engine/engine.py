@@ -879,12 +879,13 @@ class Engine:
                 slot.ctx[n: n + len(path)] = path_tokens
             if w.staged:  # a plain step's row, in the index's pending rows already
                 slot.last_hidden = slot.index.add_staged(n)
-            elif req.uses_index and w.hidden is not None:  # (the rows are this step's own;
-                # a path through the tree's first nodes, as a chain's always is: a view)
+            elif req.uses_index and w.hidden is not None:  # (the rows are this step's own,
+                # a tree's a view of the capture's buffer; a path through the tree's first
+                # nodes, as a chain's always is: a view)
                 k = len(path)
                 rows = w.hidden[:k] if path[-1] == k - 1 else w.hidden[path]
-                slot.index.add(rows, n)
-                slot.last_hidden = rows[-1]
+                last = slot.index.add(rows, n)  # (the last row's copy in the index)
+                slot.last_hidden = rows[-1].copy() if last is None else last
             self.speculator.observe(req, plan, path)
             td = time.perf_counter()
             host = (td - t_end) - w.decode_seconds - (job.outside - out_end)

@@ -532,7 +532,9 @@ class Backend:
                      flags: array) -> DecodeOutput:
         """`decode` of one llama_decode call's rows given as arrays (tokens and positions
         `array("i")`, flags `array("b")`), the batch filled in one compiled call: a tree's
-        pass, without numpy's calls on its way in."""
+        pass, without numpy's calls on its way in. Its hidden rows are a view of the
+        capture's buffer (as its logits rows are of llama.cpp's): valid until the next
+        decode."""
         n = len(tokens)
         top = max(positions) + 1
         if top > self.n_ctx:
@@ -542,20 +544,21 @@ class Backend:
             nseq.append(len(ids))
             seq.extend(ids)
         n_out = self._filler(n, tokens, positions, flags, nseq, seq)
-        logits, hidden, got, some = self._run_filled(n, n_out, seq_ids, flags, True)
+        logits, hidden, got, some = self._run_filled(n, n_out, seq_ids, flags, True, False)
         if logits is None:
             logits = np.zeros((0, self.n_vocab), np.float32)
         return DecodeOutput(logits=logits, hidden=hidden, sampled=got if some else None)
 
     def _run_filled(self, m: int, n_out: int, ids: Sequence[Sequence[int]] | None,
-                    flags: array | None, last: bool
+                    flags: array | None, last: bool, copy_hidden: bool = True
                     ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None, bool]:
         """One llama_decode call of the batch's first m rows, filled (`ids`: their sequence
         ids, None for sequence 0 alone; `flags`: their output flags where known, else read
         back from the batch): its logits rows (None without output rows), captured hidden
         rows, in-graph sampled token per output row (-1: none; None: no row has a sampler)
         and whether any row was sampled. Rows of a call that is not the `last` of a decode
-        are copied (the next call overwrites the buffers)."""
+        are copied (the next call overwrites the buffers); without `copy_hidden` the hidden
+        rows are a view of the capture's buffer, as the logits rows are of llama.cpp's."""
         # what the rows will be is known before the pass: worked out now, while the caches
         # still hold this code (a forward pass flushes them)
         plan = (self._graph_plan(m, ids, flags) if n_out and self.graph_seqs and
@@ -575,7 +578,7 @@ class Backend:
             logits = view if last else view.copy()
         elif n_out:  # not copied out by llama.cpp: every row was sampled in its graph
             logits = self._nan_rows(n_out)
-        hidden = self._captured() if self.capture is not None else None
+        hidden = self._captured(copy_hidden) if self.capture is not None else None
         return logits, hidden, sampled, some
 
     def _graph_plan(self, m: int, seq_ids: Sequence[Sequence[int]] | None = None,
@@ -703,12 +706,13 @@ class Backend:
             return DecodeOutput(self._no_rows, hidden, got)
         return DecodeOutput(self._logits(1), hidden)
 
-    def _captured(self) -> np.ndarray | None:
-        """The hidden rows the last llama_decode call captured."""
+    def _captured(self, copy: bool = True) -> np.ndarray | None:
+        """The hidden rows the last llama_decode call captured (without `copy`, where the
+        capture can: a view of its buffer, valid until the next decode)."""
         rep = self.replay
         if rep is not None and rep.serving:
             return rep.captured()
-        return self.capture.rows()
+        return self.capture.rows() if copy else self.capture.rows(copy=False)
 
     def _logits(self, n_out: int) -> np.ndarray:
         """The logits rows of the last decode as an array view (views cached per address)."""

@@ -96,8 +96,9 @@ class HiddenCapture:
         for parts in self._parts.values():
             parts.clear()
 
-    def rows(self, layer: int | None = None) -> np.ndarray | None:
-        """float32 [n_tokens, n_embd] for the last decode (None if nothing was captured)."""
+    def rows(self, layer: int | None = None, copy: bool = True) -> np.ndarray | None:
+        """float32 [n_tokens, n_embd] for the last decode (None if nothing was captured;
+        arrays of their own, whatever `copy` says)."""
         parts = self._parts[self.layers[0] if layer is None else layer]
         if not parts:
             return None
@@ -167,7 +168,10 @@ class CompiledCapture:
         self._state.rows = 0
         self._state.overflow = 0
 
-    def rows(self, layer: int | None = None) -> np.ndarray | None:
+    def rows(self, layer: int | None = None, copy: bool = True) -> np.ndarray | None:
+        """float32 [n_tokens, n_embd] for the last decode (None if nothing was captured): a
+        new array, or without `copy` (float32 rows only) a view of the buffer the next
+        decode overwrites."""
         st = self._state
         if st.overflow:
             raise RuntimeError("hidden-state capture buffer overflow")
@@ -175,7 +179,7 @@ class CompiledCapture:
         if rows == 0:
             return None
         if st.type == _GGML_TYPE_F32 and st.ne0 == self._n_embd:  # one copy, no reshaping
-            return self._rows32[:rows].copy()
+            return self._rows32[:rows].copy() if copy else self._rows32[:rows]
         if st.type == _GGML_TYPE_F16:
             raw = self._buf.view(np.float16)[: st.rows * st.ne0]
         elif st.type == _GGML_TYPE_F32:

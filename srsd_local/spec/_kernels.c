@@ -5,6 +5,7 @@
  * same results however wide its vectors are. */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define LANES 8
 #define BLOCK 512 /* weights summed per block (the second level of the pick) */
@@ -189,12 +190,15 @@ static float dot_f16(const float *q, const uint16_t *row, int64_t dim) {
  *   most k most similar to the query with a similarity of at least min_score, best first
  *   (ties: the earlier position), are written to out_pos / out_score, with how many tokens
  *   up to the root the context before each one agrees with the context's end (1 + the
- *   matching tokens before, at most max_agree) to out_agree. Returns how many. */
+ *   matching tokens before, at most max_agree) to out_agree, and (depth > 0) the at most
+ *   `depth` tokens after its root (tokens[j + 2 ..]) to out_tokens[h * depth ..]. Returns
+ *   how many. */
 int64_t srsd_retrieve(const float *stage, int64_t n_stage, const float *query, int64_t dim,
                       const float *center, uint16_t *rows, int64_t stored, float *qbuf,
                       const int32_t *tokens, int64_t n_tok, int32_t root,
                       const int32_t *row_of, int64_t k, float min_score, int64_t max_agree,
-                      int64_t *out_pos, float *out_score, int64_t *out_agree) {
+                      int64_t *out_pos, float *out_score, int64_t *out_agree,
+                      int64_t depth, int32_t *out_tokens) {
     for (int64_t r = 0; r < n_stage; ++r) {
         srsd_normalise_rows(stage + r * dim, 1, dim, center, qbuf);
         uint16_t *o = rows + (stored + r) * dim;
@@ -229,6 +233,8 @@ int64_t srsd_retrieve(const float *stage, int64_t n_stage, const float *query, i
                tokens[j - agree + 1] == tokens[n_tok - agree])
             ++agree;
         out_agree[h] = agree;
+        int64_t len = n_tok - j - 2 < depth ? n_tok - j - 2 : depth;
+        if (len > 0) memcpy(out_tokens + h * depth, tokens + j + 2, (size_t)len * sizeof(int32_t));
     }
     return got;
 }

@@ -23,6 +23,7 @@ Two searches:
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,6 +82,9 @@ class NextHits:
     positions: list[int]
     scores: list[float]
     agree: list[int]  # tokens up to the root the context before each hit agrees with
+    # per hit, the context's tokens after the root it found (at most the `depth` asked for;
+    # None where none were asked for)
+    follow: list[list[int]] | None = None
 
 
 MAX_PENDING = 64  # rows kept unstored at most (a prompt's chunk is stored at once)
@@ -232,12 +236,15 @@ class VectorIndex:
             self._next_out = None
 
     # -- API --------------------------------------------------------------------------------
-    def add(self, rows: np.ndarray, positions: np.ndarray | list[int] | int) -> None:
+    def add(self, rows: np.ndarray, positions: np.ndarray | list[int] | int
+            ) -> np.ndarray | None:
         """Index new rows (only the new ones) for the given context positions (an int:
         consecutive positions from there). A decode step's few rows are copied to the
         rows waiting to be stored (the caller may reuse its array), and stored when a
         search needs them; a block of more (a prompt's chunk) is stored at once. The
-        decode loop calls this on every step: as few numpy calls as it takes."""
+        decode loop calls this on every step: as few numpy calls as it takes. Returns the
+        last row's copy among the waiting rows (a view, as `add_staged`'s), or None where
+        the rows were stored at once."""
         x = np.asarray(rows)
         if x.ndim != 2:
             x = x.reshape(-1, self.dim) if x.size % self.dim == 0 else x.reshape(1, -1)
@@ -279,9 +286,12 @@ class VectorIndex:
             self._flush()
         if k >= MAX_PENDING:
             self._store(self._normalise_parts([np.ascontiguousarray(x, dtype=np.float32)]))
-        else:
-            self._stage[self._staged: self._staged + k] = x
-            self._staged += k
+            return None
+        if not k:
+            return None
+        self._stage[self._staged: self._staged + k] = x
+        self._staged += k
+        return self._stage_rows[self._staged - 1]
 
     def stage_address(self) -> int:
         """The address of the float32 row (`dim` values) `add_staged` indexes next: the
@@ -338,22 +348,24 @@ class VectorIndex:
         return Hits(self._pos[i[0][ok]], d[0][ok].astype(np.float32))
 
     def search_next(self, query: np.ndarray, tokens: np.ndarray, root: int, k: int,
-                    min_score: float, max_agree: int) -> NextHits:
+                    min_score: float, max_agree: int, depth: int = 0) -> NextHits:
         """Among the positions j of `tokens` (the context: position n is the known next
         token `root`) that `root` follows (tokens[j + 1] == root, with a token after it,
         j + 2 < n) and that have a row here, the at most k most similar to `query` (a raw
         hidden row) with a similarity of at least `min_score`, best first (ties: the
         earlier position); with each, how many tokens up to the root the context before
-        it agrees with the context's end (1 + matching tokens, at most `max_agree`). Only
-        those rows are read; the rows waiting to be stored are stored first."""
+        it agrees with the context's end (1 + matching tokens, at most `max_agree`) and,
+        with `depth`, the (at most `depth`) tokens that follow the root there. Only those
+        rows are read; the rows waiting to be stored are stored first."""
         if query.size != self.dim:
             raise ValueError(f"query has {query.size} values: accepted is one row of "
                              f"{self.dim}")
         n = len(tokens)
         if self._n == 0 or n < 3 or k <= 0:
-            return NextHits([], [], [])
+            return NextHits([], [], [], [] if depth else None)
         if self._retrieve is None:
-            return self._search_next_numpy(query, tokens, root, k, min_score, max_agree)
+            return self._search_next_numpy(query, tokens, root, k, min_score, max_agree,
+                                           depth)
         if n > len(self._row_of):
             self._cover(n)
         toks = tokens if (tokens.dtype == np.int32 and tokens.flags.c_contiguous) else \
@@ -361,32 +373,44 @@ class VectorIndex:
         q = query if (query.dtype == np.float32 and query.flags.c_contiguous) else \
             np.ascontiguousarray(query, dtype=np.float32)
         out = self._next_out
-        if out is None or len(out[0]) < k:
-            out = self._next_addresses(max(k, 0 if out is None else len(out[0])))
+        if out is None or len(out[0]) < k or out[6] < depth:
+            out = self._next_addresses(max(k, 0 if out is None else len(out[0])),
+                                       max(depth, 0 if out is None else out[6]))
         staged, address = self._staged, self._address
         got = self._retrieve(out[3][0], staged, address(q), self.dim, out[3][1],
                              out[4][0], self._stored, out[3][2], address(toks), n,
-                             int(root), out[4][1], k, min_score, max_agree, *out[3][3:])
+                             int(root), out[4][1], k, min_score, max_agree, *out[3][3:6],
+                             out[6], out[3][6])
         self._stored += staged
         self._staged = 0
-        return NextHits(out[0][:got].tolist(), out[1][:got].tolist(), out[2][:got].tolist())
+        positions = out[0][:got].tolist()
+        follow = None
+        if depth:
+            t, w = out[5], out[6]
+            follow = [t[h * w: h * w + min(depth, n - j - 2)].tolist()
+                      for h, j in enumerate(positions)]
+        return NextHits(positions, out[1][:got].tolist(), out[2][:got].tolist(), follow)
 
-    def _next_addresses(self, k: int) -> tuple:
+    def _next_addresses(self, k: int, depth: int) -> tuple:
         """search_next's arrays of k hits, and the addresses the kernel is given (taken
         once: reading an array's address costs more than the kernel's work on a few rows):
-        (positions, scores, agree, (stage, centre, query, positions, scores, agree),
-        (buffer, position map)); forgotten (None) where the buffer, the map or the centre
-        is replaced."""
-        pos, scores, agree = np.empty(k, np.int64), np.empty(k, np.float32), \
-            np.empty(k, np.int64)
+        (positions, scores, agree, (stage, centre, query, positions, scores, agree,
+        tokens), (buffer, position map), tokens, depth); forgotten (None) where the buffer,
+        the map or the centre is replaced."""
+        # (`array`s: their slices' `tolist` is one cheap call each, numpy's slicing and
+        # `tolist` two slower ones, on the caches a forward pass flushed)
+        pos, scores, agree = array("q", bytes(8 * k)), array("f", bytes(4 * k)), \
+            array("q", bytes(8 * k))
+        follow = array("i", bytes(4 * k * max(depth, 1)))
         fixed = (self._stage.ctypes.data, self.center.ctypes.data, self._query.ctypes.data,
-                 pos.ctypes.data, scores.ctypes.data, agree.ctypes.data)
+                 pos.buffer_info()[0], scores.buffer_info()[0], agree.buffer_info()[0],
+                 follow.buffer_info()[0])
         self._next_out = (pos, scores, agree, fixed,
-                          (self._buf.ctypes.data, self._row_of.ctypes.data))
+                          (self._buf.ctypes.data, self._row_of.ctypes.data), follow, depth)
         return self._next_out
 
     def _search_next_numpy(self, query: np.ndarray, tokens: np.ndarray, root: int, k: int,
-                           min_score: float, max_agree: int) -> NextHits:
+                           min_score: float, max_agree: int, depth: int = 0) -> NextHits:
         """`search_next` without the compiled kernel."""
         q = self._flush(query)[0]
         n = len(tokens)
@@ -405,7 +429,8 @@ class VectorIndex:
             while a < max_agree and j - a + 1 >= 0 and tokens[j - a + 1] == tokens[n - a]:
                 a += 1
             agree.append(a)
-        return NextHits(positions, scores[top].tolist(), agree)
+        follow = [tokens[j + 2: j + 2 + depth].tolist() for j in positions] if depth else None
+        return NextHits(positions, scores[top].tolist(), agree, follow)
 
     def _results(self, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Arrays a search of k hits writes into (reused: its hits are copied out)."""

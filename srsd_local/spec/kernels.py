@@ -66,7 +66,7 @@ def library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int64
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [p, i64, p, i64, p, p, i64, p, p, i64, ctypes.c_int32, p, i64,
-                   ctypes.c_float, i64, p, p, p]
+                   ctypes.c_float, i64, p, p, p, i64, p]
     lib.srsd_set_array_data_offset.argtypes = [ctypes.c_long]
     lib.srsd_set_array_data_offset.restype = None
     lib.srsd_array_data.argtypes = [ctypes.py_object]

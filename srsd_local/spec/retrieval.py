@@ -23,9 +23,8 @@ class SemanticDrafter(Drafter):
         depth = cfg.draft_depth
         if cfg.retrieval_search == "next":
             hits = inp.index.search_next(inp.query, ctx, inp.root, cfg.top_k,
-                                         cfg.min_similarity, _MAX_AGREE)
-            return [(ctx[j + 2: j + 2 + depth], score, agree)
-                    for j, score, agree in zip(hits.positions, hits.scores, hits.agree)]
+                                         cfg.min_similarity, _MAX_AGREE, depth)
+            return list(zip(hits.follow, hits.scores, hits.agree))
         n = len(ctx)
         if not (ctx[1: n - 1] == inp.root).any():  # no hit could count: skip the search
             return []
