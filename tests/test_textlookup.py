@@ -262,3 +262,23 @@ def test_pieces_the_context_holds_between_token_boundaries_take_its_tokens():
     assert context_tokens(DraftInput(np.asarray(fctx, dtype=np.int32), 0, None, None,
                                      text=ftext, ends=fends), b"two") == list(b"two")
     assert list(got(b"two")) == list(b"two") and calls == [b" gamma", b"two"]
+
+
+def test_a_piece_is_collapsed_as_the_regular_expression_collapses_it():
+    # pieces without whitespace skip the regular expression: the same bytes either way, on
+    # random pieces over whitespace, bytes \s does not match and other bytes
+    import random
+    import re
+
+    from srsd_local.spec.textlookup import flat_piece
+
+    spaces = re.compile(rb"\s+")
+    rng = random.Random(1)
+    alphabet = b"ab \t\n\r\x0b\x0c\x1c\x1f\x85\xa0x"
+    for _ in range(20000):
+        piece = bytes(rng.choice(alphabet) for _ in range(rng.randint(0, 6)))
+        for after_space in (False, True):
+            want = spaces.sub(b" ", piece)
+            if after_space and want[:1] == b" ":
+                want = want[1:]
+            assert flat_piece(piece, after_space) == want

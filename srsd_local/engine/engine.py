@@ -483,6 +483,8 @@ class Engine:
         others decode). Its events are ready after this, before the pass runs. A request
         that fails gets its exception; the others continue."""
         t0 = time.perf_counter()
+        if len(jobs) == 1 and jobs[0].decoding:  # one request decoding: its next Work
+            return self._gather_one(jobs[0], t0)
         works: list[tuple[_Job, Work]] = []
         offset, gain, chunk_taken = 0, 0.0, False
         decoding = sum(1 for j in jobs if j.decoding and not j.done)
@@ -513,6 +515,26 @@ class Engine:
             gain += job.expected_tokens
             chunk_taken = chunk_taken or work.prefill
         return _Pass(works, t0)
+
+    def _gather_one(self, job: _Job, t0: float) -> _Pass:
+        """`_gather` for a single request that is decoding (no prompt chunk to fit, nobody
+        else's tokens in the pass): the most frequent case, without the general loop."""
+        if job.done:
+            return _Pass([], t0)
+        if job.cancelled:
+            self._retire(job)
+            return _Pass([], t0)
+        job.batch_offset, job.batch_gain = 0, 0.0
+        job.may_prefill_all = job.may_prefill = True
+        try:
+            work = next(job.gen)
+        except StopIteration:
+            job.done = True
+            return _Pass([], t0)
+        except BaseException as exc:  # noqa: BLE001 - delivered to the request's caller
+            job.fail(exc)
+            return _Pass([], t0)
+        return _Pass([(job, work)] if len(work) else [], t0)
 
     def _run_pass(self, step: _Pass) -> None:
         """The second half: every Work of the step in one forward pass; the rows go back to
@@ -825,7 +847,7 @@ class Engine:
                     inp.skip = self.speculator.sources_off(req)
                 if req.uses_text and inp.skip & TEXT_SOURCES != TEXT_SOURCES:
                     root = be.piece(x)
-                    inp.text = bytes(slot.text.sync(slot.ctx[:n], be.piece)) + root
+                    inp.text = bytes(slot.text.sync(inp.tokens, be.piece)) + root
                     inp.flat = slot.text.flat_with(root)
                     inp.ends = slot.text.ends
                     inp.tokenize, inp.piece = self._tokenize_text, be.piece

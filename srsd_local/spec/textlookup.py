@@ -38,6 +38,7 @@ HEAD_TOKENS = 4  # source tokens a copy's head may span to reach a word start (e
 SPELL = 2  # leading tokens compared: the source's spelling is drafted too where they differ
 MEMO_SIZE = 4096  # tokenizations of cut source pieces kept (pieces recur)
 _SPACES = re.compile(rb"\s+")
+_WHITESPACE = b" \t\n\r\x0b\x0c"  # what \s matches in a bytes pattern
 _WORD = re.compile(rb"\w\w")  # two word characters: a place inside a word
 _WORDS = re.compile(rb"(?<=\S)(?= \S)")  # before a space that begins a word
 
@@ -45,6 +46,8 @@ _WORDS = re.compile(rb"(?<=\S)(?= \S)")  # before a space that begins a word
 def flat_piece(piece: bytes, after_space: bool) -> bytes:
     """`piece` with its whitespace runs collapsed to one space, appended to a collapsed text
     that ends in a space (`after_space`) or not."""
+    if piece.translate(None, _WHITESPACE) == piece:  # no whitespace, as most pieces: no
+        return piece  # regular expression run for them
     out = _SPACES.sub(b" ", piece)
     return out[1:] if after_space and out[:1] == b" " else out
 
