@@ -676,9 +676,13 @@ class Backend:
         if step is not None and self.replay is None:  # the whole step in one compiled call
             if capture is None:
                 capture = self.capture is not None and self.capture.enabled
+            # timed around the call, as a llama_decode through ctypes is: the return into
+            # Python after a forward pass (its code back into the caches the pass flushed,
+            # some 40 us on a CPU) counts as the pass's, in every path alike
+            t0 = time.perf_counter()
             rc = step(token, pos, seq, capture, main, stage or None)
+            self.decode_seconds += time.perf_counter() - t0
             st = self._step_state
-            self.decode_seconds += st.seconds
             if rc != 0:
                 self._decode_failed(rc, 1)
             staged = stage and st.staged
