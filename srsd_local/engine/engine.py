@@ -550,8 +550,12 @@ class Engine:
                 return
         # what the cost model learns from the pass, but its time, is known before it (worked
         # out now: the pass flushes the caches)
-        learn = self.config.adaptive and not any(w.prefill for _, w in works)
-        if learn:
+        if len(works) == 1:  # (one request's tree: no sums over requests)
+            job, w = works[0]
+            learn = self.config.adaptive and not w.prefill
+            n, ctx = len(w), job.slot.n_past
+        else:
+            learn = self.config.adaptive and not any(w.prefill for _, w in works)
             n = sum(len(w) for _, w in works)
             ctx = sum(j.slot.n_past * len(w) for j, w in works) // n
         d0 = be.decode_seconds
