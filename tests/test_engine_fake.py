@@ -429,3 +429,25 @@ def test_a_failure_after_the_pass_fails_the_request_not_the_worker(monkeypatch):
                                                          mode="ar").token_ids
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("mode", ["ar", "retrieval", "ngram", "srsd"])
+def test_what_drafting_reads_of_the_prompt_is_made_in_prompt_time(mode):
+    """Right after prefill (before the first token is emitted, within the prompt's time)
+    the n-gram pool has taken in the prompt where the mode drafts from it, and the context's
+    text is the prompt's where the mode reads text; nothing of the kind for the others."""
+    eng = make_engine()
+    prompt = eng.tokenize(PROMPT)
+    out = eng.generate(prompt, max_tokens=0, mode=mode)
+    assert out.token_ids == []
+    slot = eng.slots[0]
+    pooled = mode in ("ngram", "srsd")
+    assert (eng.speculator.pool.n_entries > 0) is pooled
+    if pooled:  # every position of the prompt in the pool's stream
+        assert eng.speculator.pool._streams[0].n == len(prompt)
+    assert len(slot.text) == (len(prompt) if mode == "srsd" else 0)
+    # and the outputs are those of a run that made them at its first drafting step
+    eng2 = make_engine()
+    eng2.speculator.prepare = lambda req, tokens: None
+    assert eng.generate(prompt, max_tokens=40, mode=mode).token_ids == \
+        eng2.generate(prompt, max_tokens=40, mode=mode).token_ids

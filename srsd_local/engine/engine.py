@@ -807,6 +807,12 @@ class Engine:
         t0 = time.perf_counter()
         last_logits, stats.reused_prompt_tokens = yield from self._prefill(job)
         job.decoding = True
+        if not self.plain_only:  # what drafting reads of the prompt, made now (prompt time):
+            # not at the first drafting step, whose host time it would be
+            n = slot.n_past
+            if req.uses_text:
+                slot.text.sync(slot.ctx[:n], be.piece)
+            self.speculator.prepare(req, slot.ctx[:n])
         x = sampler(last_logits)
         forcing = job.forcing
         if forcing is not None:

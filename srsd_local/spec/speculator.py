@@ -181,6 +181,14 @@ class Speculator:
             self._credit(req, 0)
         return plan
 
+    def prepare(self, req: Request, tokens) -> None:
+        """The request's context is `tokens` (its prompt, prefilled): the n-gram pool takes
+        it in now, where the request drafts from the pool (its first drafting step would,
+        and pay for the whole prompt in its host time)."""
+        drafter = self.drafters[req.mode]
+        if drafter is self.pool or self.pool in getattr(drafter, "parts", ()):
+            self.pool.observe(tokens)
+
     def sources_off(self, req: Request) -> int:
         """The origin bits of the sources not to run at the request's next drafting attempt
         (see SOURCE_IDLE): those whose nodes did not pay for SOURCE_IDLE attempts in a
