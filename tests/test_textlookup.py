@@ -282,3 +282,29 @@ def test_a_piece_is_collapsed_as_the_regular_expression_collapses_it():
             if after_space and want[:1] == b" ":
                 want = want[1:]
             assert flat_piece(piece, after_space) == want
+
+
+def test_the_compiled_longest_repeat_equals_the_bisection_over_rfind():
+    # the compiled pass (bytes texts) against longest_repeat's definition (bisection with
+    # bytes.rfind) on random texts over small alphabets, bounds included; a bytearray takes
+    # the bisection itself
+    import random
+
+    from srsd_local.spec.textlookup import _repeat, longest_found, longest_repeat
+
+    assert _repeat() is not None  # built with the system's C compiler
+
+    def by_rfind(text, lo, hi):
+        n = len(text)
+        return longest_found(lambda k: text.rfind(text[n - k:], 0, n - 1), lo, min(hi, n - 1))
+
+    rng = random.Random(3)
+    for _ in range(20000):
+        alphabet = rng.choice([b"ab", b"abc", b"a b\n", b"abcdefgh"])
+        text = bytes(rng.choice(alphabet) for _ in range(rng.randint(0, 120)))
+        lo, hi = rng.choice([1, 2, 4, 8]), rng.choice([4, 8, 64, 200])
+        want = by_rfind(text, lo, hi)
+        assert longest_repeat(text, lo, hi) == want
+        assert longest_repeat(bytearray(text), lo, hi) == want
+    text = b"x" * 500  # the longest is capped at hi, at its most recent occurrence
+    assert longest_repeat(text, 4, 64) == (64, 499 - 64)

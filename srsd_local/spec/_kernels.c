@@ -523,3 +523,28 @@ void srsd_set_array_data_offset(long offset) { array_data_offset = offset; }
 void *srsd_array_data(void *obj) {
     return array_data_offset < 0 ? (void *)0 : *(void **)((char *)obj + array_data_offset);
 }
+
+/* ---- text lookup's longest repeat (textlookup.py: longest_repeat) ----------------------
+ * The largest k in lo..hi (hi at most n - 1, lo at least 1) such that the last k bytes of
+ * `text` also occur ending before its last byte, and where the most recent such occurrence
+ * starts; returned as k << 32 | start, or 0 when no k >= lo does. One pass from the end: at
+ * each earlier byte equal to the last, the length of the suffix both end with (the first,
+ * rightmost, place reaching the longest length is its most recent occurrence). */
+int64_t srsd_longest_repeat(const unsigned char *text, int64_t n, int64_t lo, int64_t hi) {
+    if (hi > n - 1) hi = n - 1;
+    if (lo < 1) lo = 1;
+    if (lo > hi) return 0;
+    const unsigned char last = text[n - 1];
+    int64_t best = 0, at = -1;
+    for (int64_t j = n - 2; j >= 0; --j) {
+        if (text[j] != last) continue;
+        int64_t len = 1;
+        while (len < hi && len <= j && text[j - len] == text[n - 1 - len]) ++len;
+        if (len > best) {
+            best = len;
+            at = j - len + 1;
+            if (best == hi) break;
+        }
+    }
+    return best >= lo ? (best << 32) | at : 0;
+}

@@ -67,6 +67,8 @@ def library() -> ctypes.CDLL | None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [p, i64, p, i64, p, p, i64, p, p, i64, ctypes.c_int32, p, i64,
                    ctypes.c_float, i64, p, p, p, i64, p]
+    lib.srsd_longest_repeat.argtypes = [ctypes.c_char_p, i64, i64, i64]
+    lib.srsd_longest_repeat.restype = i64
     lib.srsd_set_array_data_offset.argtypes = [ctypes.c_long]
     lib.srsd_set_array_data_offset.restype = None
     lib.srsd_array_data.argtypes = [ctypes.py_object]
@@ -165,3 +167,11 @@ def retrieve_kernel():
     _kernels.c; see VectorIndex.search_next), or None without a build."""
     lib = library()
     return None if lib is None else lib.srsd_retrieve
+
+
+def repeat_kernel():
+    """Text lookup's longest repeated suffix of a bytes text in one compiled pass
+    (`srsd_longest_repeat` in _kernels.c; see textlookup.longest_repeat), or None without
+    a build."""
+    lib = library()
+    return None if lib is None else lib.srsd_longest_repeat

@@ -12,7 +12,8 @@ The same search also runs on the text with every whitespace run collapsed to one
 copy that re-wraps its original (a docstring's wrapped lines quoted as one JSON string, a
 paragraph re-flowed, an indented block flattened) breaks the exact match at every line end,
 while the collapsed text still matches and its continuation is what an unwrapping copy
-writes. Pure Python (bytes.rfind).
+writes. The longest repeat is found in one compiled pass where the kernels are built (else
+by bisection with bytes.rfind).
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import re
 from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import Callable, Sequence
+from functools import lru_cache
 
 import numpy as np
 
 from ..config import SRSDConfig
 from .draft import _MAX_AGREE, TEXT, Drafter, DraftInput, Proposal
+from .kernels import repeat_kernel
 
 MIN_MATCH = 4  # bytes of context text a match must cover
 MIN_FLAT = 8  # ... of the whitespace-collapsed text (tried when it matches further back)
@@ -99,9 +102,19 @@ def longest_repeat(text: bytes | bytearray, lo: int = MIN_MATCH, hi: int = MAX_M
                    ) -> tuple[int, int]:
     """(length, start) of the longest suffix of `text` (lo..hi bytes) that also occurs ending
     earlier, at its most recent such occurrence; (0, -1) when none of lo bytes does. (A suffix
-    that occurs implies all its suffixes do, so the length is found by bisection.)"""
+    that occurs implies all its suffixes do, so the length is found by bisection; in one
+    compiled pass over the text where there is a build, for bytes.)"""
     n = len(text)
+    fn = _repeat()
+    if fn is not None and type(text) is bytes and lo >= 1:
+        got = fn(text, n, lo, hi)
+        return (got >> 32, got & 0xFFFFFFFF) if got else (0, -1)
     return longest_found(lambda k: text.rfind(text[n - k:], 0, n - 1), lo, min(hi, n - 1))
+
+
+@lru_cache(maxsize=1)
+def _repeat():
+    return repeat_kernel()
 
 
 def longest_found(found: Callable[[int], int], lo: int, hi: int) -> tuple[int, int]:
