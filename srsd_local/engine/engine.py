@@ -500,15 +500,8 @@ class Engine:
             job.may_prefill = not chunk_taken
             if not job.decoding:
                 job.chunk = self._chunk_size(offset)
-            try:
-                work = next(job.gen)
-            except StopIteration:
-                job.done = True
-                continue
-            except BaseException as exc:  # noqa: BLE001 - delivered to the request's caller
-                job.fail(exc)
-                continue
-            if not len(work):  # waiting for its turn to prefill
+            work = self._resume(job)
+            if work is None or not len(work):  # done, failed, or waiting to prefill
                 continue
             works.append((job, work))
             offset += len(work)
@@ -526,15 +519,20 @@ class Engine:
             return _Pass([], t0)
         job.batch_offset, job.batch_gain = 0, 0.0
         job.may_prefill_all = job.may_prefill = True
+        work = self._resume(job)
+        return _Pass([(job, work)] if work is not None and len(work) else [], t0)
+
+    @staticmethod
+    def _resume(job: _Job) -> Work | None:
+        """The request's next Work, or None where it finished or failed (then it is marked
+        done or gets its exception; the others continue)."""
         try:
-            work = next(job.gen)
+            return next(job.gen)
         except StopIteration:
             job.done = True
-            return _Pass([], t0)
         except BaseException as exc:  # noqa: BLE001 - delivered to the request's caller
             job.fail(exc)
-            return _Pass([], t0)
-        return _Pass([(job, work)] if len(work) else [], t0)
+        return None
 
     def _run_pass(self, step: _Pass) -> None:
         """The second half: every Work of the step in one forward pass; the rows go back to
@@ -543,7 +541,7 @@ class Engine:
         if not works:
             return
         be = self.backend
-        if len(works) == 1 and be.replay is None:
+        if len(works) == 1:
             job, w = works[0]
             if len(w) == 1 and w.flags[0] and len(w.seq_ids[0]) == 1:
                 self._plain_pass(job, w, t0)
@@ -563,15 +561,7 @@ class Engine:
         if replay is not None:
             replay.take_seconds()
         try:
-            if len(works) == 1 and len(works[0][1]) == 1 and works[0][1].flags[0] and \
-                    len(works[0][1].seq_ids[0]) == 1:
-                w = works[0][1]  # a plain step of one request: the fast path
-                out = be.step_at(int(w.tokens[0]), int(w.positions[0]), w.seq_ids[0][0],
-                                 w.capture, w.stage)
-                w.logits, w.hidden, w.sampled = out.logits, out.hidden, out.sampled
-                w.staged = out.staged
-            else:
-                self._decode_together([w for _, w in works])
+            self._decode_together([w for _, w in works])
         except BaseException as exc:  # noqa: BLE001 - every request in the pass failed
             for job, _ in works:
                 job.fail(exc, throw=True)
@@ -590,7 +580,9 @@ class Engine:
         whose host time matters most): the token in one compiled call where there is one,
         no sums over requests."""
         be = self.backend
-        d0, ctx = be.decode_seconds, job.slot.n_past
+        d0, ctx, replay = be.decode_seconds, job.slot.n_past, be.replay
+        if replay is not None:  # (a recorded or replayed generation: see replay.py)
+            replay.take_seconds()
         try:
             out = be.step_at(int(w.tokens[0]), int(w.positions[0]), w.seq_ids[0][0],
                              w.capture, w.stage)
@@ -600,8 +592,11 @@ class Engine:
         w.logits, w.hidden, w.sampled, w.staged = out.logits, out.hidden, out.sampled, \
             out.staged
         w.decode_seconds = be.decode_seconds - d0
-        if self.config.adaptive:
-            self.speculator.observe_plain_cost(time.perf_counter() - t0, ctx)
+        if self.config.adaptive and not w.prefill:
+            # replayed: what the recorded pass took, so that the decisions repeat
+            seconds = (time.perf_counter() - t0 if replay is None else
+                       replay.take_seconds())
+            self.speculator.observe_plain_cost(seconds, ctx)
 
     def _chunk_size(self, decoding_tokens: int) -> int:
         """Prompt tokens to prefill next to `decoding_tokens` of other requests: the
