@@ -149,6 +149,55 @@ def test_rows_written_at_the_stage_address_are_indexed_like_rows_added():
     with pytest.raises(ValueError, match="full"):
         full.add_staged(1)
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_copied_index_has_buffers_of_its_own(backend):
+    # a copy (copy.deepcopy, pickle) of an index with rows waiting and searches behind it
+    # gets its own pending rows, addresses and search state: a row written at its
+    # stage_address is its own, and it goes on exactly as an index fed the same rows from
+    # the start, while the original keeps what it had
+    import copy
+    import ctypes
+    import pickle
+
+    x = _data(410, seed=5) + 0.25
+    toks = np.arange(410, dtype=np.int32) % 7
+
+    def feed(index, lo, hi):
+        for pos in range(lo, hi):
+            if pos % 3:  # as a compiled plain step does
+                ctypes.memmove(index.stage_address(), x[pos].ctypes.data, x[pos].nbytes)
+                assert np.array_equal(index.add_staged(pos), x[pos])
+            else:
+                index.add(x[pos: pos + 1], pos)
+
+    def start():
+        index = VectorIndex(32, 500, backend)
+        index.add(x[:100], 0)
+        index.search_next(x[99], toks[:100], 3, 4, -1.0, 8, 2)
+        index.search(x[10], 3)
+        feed(index, 100, 110)  # rows waiting to be stored
+        return index
+
+    idx = start()
+    for twin in (copy.deepcopy(idx), pickle.loads(pickle.dumps(idx))):
+        assert twin.stage_address() != idx.stage_address()
+        ref = start()
+        for lo in range(110, 410, 50):
+            feed(twin, lo, lo + 50)
+            feed(ref, lo, lo + 50)
+            q = x[lo + 43]
+            assert twin.search(q, 5).positions.tolist() == ref.search(q, 5).positions.tolist()
+            got = twin.search_next(q, toks[: lo + 50], 3, 4, -1.0, 8, 2)
+            want = ref.search_next(q, toks[: lo + 50], 3, 4, -1.0, 8, 2)
+            assert got.positions == want.positions and got.follow == want.follow
+        twin._flush()
+        ref._flush()
+        assert len(twin) == len(ref) == 410
+        assert np.array_equal(twin._buf[:410], ref._buf[:410])
+        assert len(idx) == 110  # the original holds what it had, its waiting rows intact
+        assert np.array_equal(np.asarray(idx._stage[:idx._staged]), x[100:110])
+
+
 def _compiled_normalise():
     from srsd_local.spec import kernels
 

@@ -108,23 +108,41 @@ class VectorIndex:
         # call per step, and normalised in one call, not one per row
         self._stage = np.empty((MAX_PENDING, dim), dtype=np.float32)
         self._staged = 0
+        self._stored = 0
+        self._buf = np.zeros((len(self._pos), dim), dtype=np.float16)
+        self._scratch: np.ndarray | None = None  # the compiled kernel's rows of a step
+        self._query = np.empty(dim, np.float32)  # search_next's normalised query
+        self._attach()
+
+    # what refers to this index's own buffers by address, or to compiled code: made anew for
+    # a copy (copy.deepcopy, pickle), which gets buffers of its own
+    _ATTACHED = ("_stage_at", "_stage_rows", "_kernel", "_retrieve", "_address", "_next_out",
+                 "_faiss_index", "_faiss_n", "_gpu_res", "_result_arrays")
+
+    def _attach(self) -> None:
         # a plain step's row is written into the stage by the compiled step itself
         # (`stage_address`, `add_staged`): the stage's address and its rows as views, taken
         # once
         self._stage_at = int(self._stage.ctypes.data)
         self._stage_rows = list(self._stage)
-        self._stored = 0
-        self._buf = np.zeros((len(self._pos), dim), dtype=np.float16)
+        self._kernel = normalise_kernel()  # None: numpy normalises
+        self._retrieve = retrieve_kernel()  # None: search_next in numpy
+        self._address = array_address()  # an array's data address, cheaply where it can
+        self._next_out: tuple | None = None  # see _next_addresses
         self._faiss_index = None  # made, and filled from the buffer, when `search` needs it
         self._faiss_n = 0  # rows of the buffer in it
         self._gpu_res = None
         self._result_arrays: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._kernel = normalise_kernel()  # None: numpy normalises
-        self._retrieve = retrieve_kernel()  # None: search_next in numpy
-        self._address = array_address()  # an array's data address, cheaply where it can
-        self._scratch: np.ndarray | None = None  # the compiled kernel's rows of a step
-        self._query = np.empty(dim, np.float32)  # search_next's normalised query
-        self._next_out: tuple | None = None  # see _next_addresses
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        for name in self._ATTACHED:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._attach()
 
     # -- construction helpers -------------------------------------------------------------
     def _new_faiss_index(self):
