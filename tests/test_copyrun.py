@@ -191,3 +191,49 @@ def test_find_copy_equals_its_definition_on_random_contexts():
         for match in (1, 2, 4, 8):
             assert find_copy(toks, root, match) == _find_copy_reference(toks, root, match), \
                 (toks.tolist(), root, match)
+
+
+def test_a_found_copy_weighs_what_the_requests_found_copies_paid():
+    # a chain from a copy found by matching the last tokens carries the request's record of
+    # such chains (below a followed run's 1.0); the record follows their accepted shares, so
+    # a request whose found copies keep failing drafts them weaker, one whose copies hold,
+    # stronger, each on its own (keys of the acceptance model apart from runs' chains)
+    from srsd_local.spec.acceptance import LazyEvidence
+    from srsd_local.spec.speculator import FOUND_COPY_MAX, FOUND_COPY_START
+
+    run = _ctx(*range(10, 30), 40, *range(10, 18))  # root 18: copies position 8 on
+    spec = Speculator(SRSDConfig(), cost=_cheap())
+    failing, holding = spec.begin("srsd", greedy=True), spec.begin("srsd", greedy=True)
+    weights = {id(failing): [], id(holding): []}
+    for _ in range(4):
+        for req in (failing, holding):
+            req.copy_at = SEARCH
+            plan = spec.follow(req, run, 18, room=8)
+            assert plan is not None and plan.found_copy and plan.copy_from == 8
+            w = plan.tree.weights[1]
+            assert w == min(FOUND_COPY_MAX, req.found_copies) < 1.0
+            assert all(x == w for x in plan.tree.weights[1:])
+            weights[id(req)].append(w)
+            k = 1 if req is failing else len(plan.tree)  # the root alone, or every node
+            spec.observe(req, plan, list(range(k)))
+    low, high = weights[id(failing)], weights[id(holding)]
+    assert low[0] == high[0] == FOUND_COPY_START
+    assert all(b < a for a, b in zip(low, low[1:]))  # falls with each failed chain
+    assert high[-1] == FOUND_COPY_MAX and all(b >= a for a, b in zip(high, high[1:]))
+    # the strength features set the two requests' chains apart for the acceptance model
+    ev_low = LazyEvidence(_chain_tree(18, low[-1]), 0.5)[1]
+    ev_high = LazyEvidence(_chain_tree(18, high[-1]), 0.5)[1]
+    assert ev_low.keys("srsd", True)[1] != ev_high.keys("srsd", True)[1]
+    # a run being followed (its position known) is not a found copy: weight 1.0, no record
+    req = spec.begin("srsd", greedy=True)
+    req.copy_at = 9  # position 9 holds 19, the root
+    plan = spec.follow(req, run, 19, room=8)
+    assert plan is not None and not plan.found_copy and plan.tree.weights[1] == 1.0
+    spec.observe(req, plan, [0])
+    assert req.found_copies == FOUND_COPY_START
+
+
+def _chain_tree(root: int, weight: float) -> TokenTree:
+    t = TokenTree(root)
+    t.insert([1, 2, 3], weight, 8, COPY)
+    return t

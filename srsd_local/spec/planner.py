@@ -25,6 +25,7 @@ class Plan:
     # the evidence of every node of the tree the plan was chosen from (speculator.py)
     candidate_evidence: list[NodeEvidence | None] | None = None
     copy_from: int | None = None  # a copy run's chain: the context position of its root
+    found_copy: bool = False  # ... from a copy found by matching the last tokens
 
 
 def _sibling_normalised(tree: TokenTree, q: Sequence[float]) -> list[float]:

@@ -69,6 +69,14 @@ SOURCE_GATED_MODES = ("srsd",)
 GATED_SOURCES = (TEXT, ANALOGY, LIST)
 TEXT_SOURCES = TEXT | ANALOGY | LIST  # the sources that read DraftInput.text: the gated ones
 SOURCE_IDLE = 6
+# a chain from a copy found by matching the last tokens weighs what the request's earlier
+# found copies paid (an EMA from FOUND_COPY_START, at FOUND_COPY_RATE, at most
+# FOUND_COPY_MAX): the acceptance model keys the chain's nodes by it, apart from a run's own
+# chains (1.0). Output that repeats a pattern with variations matches its last tokens in
+# the wrong place (a chain of 16 gets 2-4 accepted); an edit's copy, in the right one.
+FOUND_COPY_START = 0.7
+FOUND_COPY_RATE = 0.5
+FOUND_COPY_MAX = 0.89
 SOURCE_PROBE = 8
 
 
@@ -93,6 +101,9 @@ class Request:
     # sources_off); the bits of those that ran at the attempt waiting for its outcome
     idle: dict[int, int] = field(default_factory=dict)
     ran: int = 0
+    # EMA: the share of the nodes of its chains from a found copy (not a run followed) that
+    # were accepted; the weight of its next such chain
+    found_copies: float = FOUND_COPY_START
 
     @property
     def uses_index(self) -> bool:
@@ -231,15 +242,20 @@ class Speculator:
         if at is None or room <= 0 or req.mode not in FOLLOW_MODES or not self.config.adaptive:
             return None
         req.copy_at = None
+        weight = 1.0
         if at == SEARCH:
             at = find_copy(tokens, root)
+            weight = found_copy_weight(req)
         if at is None or not continues(tokens, root, at):
             return None
         if req.unverified is not None:
             self._settle(req, DraftInput(tokens, root, None, None))
         tree = TokenTree(root)
-        tree.insert(chain(tokens, root, at, room), 1.0, _MAX_AGREE, COPY)
-        return self._decide(tree, req, room, int(tokens.shape[0]), offset, gain, at)
+        tree.insert(chain(tokens, root, at, room), weight, _MAX_AGREE, COPY)
+        plan = self._decide(tree, req, room, int(tokens.shape[0]), offset, gain, at)
+        if plan is not None:
+            plan.found_copy = weight < 1.0
+        return plan
 
     def _settle(self, req: Request, inp: DraftInput) -> None:
         """Learn the outcomes of the last candidate tree's nodes that were not verified, as
@@ -344,6 +360,9 @@ class Speculator:
                 # output goes on copying (the chain's source, else the source to look for)
                 req.copy_at = (SEARCH if plan.copy_from is None else
                                plan.copy_from + len(path))
+            if plan.found_copy:
+                req.found_copies += FOUND_COPY_RATE * (
+                    (len(path) - 1) / max(tree.n_draft, 1) - req.found_copies)
             if plan.probs:
                 key = (req.mode, req.greedy, plan.copy_from is not None)
                 self.depth_calibration[key].update(plan.raw_probs[1:], tree.depths[1:],
@@ -385,3 +404,9 @@ class Speculator:
             learn = self.acceptance.update
             for i, a in zip(nodes, accepted):
                 learn(ev[i], mode, greedy, a)
+
+
+def found_copy_weight(req: Request) -> float:
+    """The weight of a chain from a copy found by matching the last tokens (see
+    FOUND_COPY_START)."""
+    return min(FOUND_COPY_MAX, req.found_copies)
