@@ -196,10 +196,11 @@ def test_find_copy_equals_its_definition_on_random_contexts():
 def test_a_found_copy_weighs_what_the_requests_found_copies_paid():
     # a chain from a copy found by matching the last tokens carries the request's record of
     # such chains (below a followed run's 1.0); the record follows their accepted shares, so
-    # a request whose found copies keep failing drafts them weaker, one whose copies hold,
-    # stronger, each on its own (keys of the acceptance model apart from runs' chains)
+    # a request whose found copies keep failing drafts them weaker, then not at all for a
+    # while (the step drafts as usual), and one whose copies hold, stronger; each on its own
+    # (keys of the acceptance model apart from runs' chains)
     from srsd_local.spec.acceptance import LazyEvidence
-    from srsd_local.spec.speculator import FOUND_COPY_MAX, FOUND_COPY_START
+    from srsd_local.spec.speculator import FOUND_COPY_MAX, FOUND_COPY_SKIP, FOUND_COPY_START
 
     run = _ctx(*range(10, 30), 40, *range(10, 18))  # root 18: copies position 8 on
     spec = Speculator(SRSDConfig(), cost=_cheap())
@@ -209,6 +210,9 @@ def test_a_found_copy_weighs_what_the_requests_found_copies_paid():
         for req in (failing, holding):
             req.copy_at = SEARCH
             plan = spec.follow(req, run, 18, room=8)
+            if req is failing and req.found_copies < FOUND_COPY_SKIP:
+                assert plan is None and req.copy_at is None  # passed up: drafting as usual
+                continue
             assert plan is not None and plan.found_copy and plan.copy_from == 8
             w = plan.tree.weights[1]
             assert w == min(FOUND_COPY_MAX, req.found_copies) < 1.0
@@ -217,13 +221,23 @@ def test_a_found_copy_weighs_what_the_requests_found_copies_paid():
             k = 1 if req is failing else len(plan.tree)  # the root alone, or every node
             spec.observe(req, plan, list(range(k)))
     low, high = weights[id(failing)], weights[id(holding)]
-    assert low[0] == high[0] == FOUND_COPY_START
+    assert low[0] == high[0] == FOUND_COPY_START and len(low) >= 2
     assert all(b < a for a, b in zip(low, low[1:]))  # falls with each failed chain
     assert high[-1] == FOUND_COPY_MAX and all(b >= a for a, b in zip(high, high[1:]))
     # the strength features set the two requests' chains apart for the acceptance model
     ev_low = LazyEvidence(_chain_tree(18, low[-1]), 0.5)[1]
     ev_high = LazyEvidence(_chain_tree(18, high[-1]), 0.5)[1]
     assert ev_low.keys("srsd", True)[1] != ev_high.keys("srsd", True)[1]
+    # each found copy passed up brings the record back: the request tries them again
+    passed = 0
+    while failing.found_copies < FOUND_COPY_SKIP:
+        failing.copy_at = SEARCH
+        assert spec.follow(failing, run, 18, room=8) is None
+        passed += 1
+        assert passed < 20
+    failing.copy_at = SEARCH
+    again = spec.follow(failing, run, 18, room=8)
+    assert again is not None and again.found_copy and passed >= 1
     # a run being followed (its position known) is not a found copy: weight 1.0, no record
     req = spec.begin("srsd", greedy=True)
     req.copy_at = 9  # position 9 holds 19, the root

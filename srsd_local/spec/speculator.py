@@ -74,9 +74,14 @@ SOURCE_IDLE = 6
 # FOUND_COPY_MAX): the acceptance model keys the chain's nodes by it, apart from a run's own
 # chains (1.0). Output that repeats a pattern with variations matches its last tokens in
 # the wrong place (a chain of 16 gets 2-4 accepted); an edit's copy, in the right one.
+# Below FOUND_COPY_SKIP, a found copy is not planned (the step drafts as usual: retrieval
+# re-anchors on such output where the last tokens do not), and each one passed up brings
+# the record back towards the start by FOUND_COPY_RETURN, so the request tries them again.
 FOUND_COPY_START = 0.7
 FOUND_COPY_RATE = 0.5
 FOUND_COPY_MAX = 0.89
+FOUND_COPY_SKIP = 0.3
+FOUND_COPY_RETURN = 0.1
 SOURCE_PROBE = 8
 
 
@@ -244,8 +249,11 @@ class Speculator:
         req.copy_at = None
         weight = 1.0
         if at == SEARCH:
-            at = find_copy(tokens, root)
             weight = found_copy_weight(req)
+            if weight < FOUND_COPY_SKIP:
+                req.found_copies += FOUND_COPY_RETURN * (FOUND_COPY_START - req.found_copies)
+                return None
+            at = find_copy(tokens, root)
         if at is None or not continues(tokens, root, at):
             return None
         if req.unverified is not None:
