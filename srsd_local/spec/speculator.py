@@ -69,11 +69,12 @@ SOURCE_GATED_MODES = ("srsd",)
 GATED_SOURCES = (TEXT, ANALOGY, LIST)
 TEXT_SOURCES = TEXT | ANALOGY | LIST  # the sources that read DraftInput.text: the gated ones
 SOURCE_IDLE = 6
+SOURCE_PROBE = 8
 # a chain from a copy found by matching the last tokens weighs what the request's earlier
 # found copies paid (an EMA from FOUND_COPY_START, at FOUND_COPY_RATE, at most
 # FOUND_COPY_MAX): the acceptance model keys the chain's nodes by it, apart from a run's own
 # chains (1.0). Output that repeats a pattern with variations matches its last tokens in
-# the wrong place (a chain of 16 gets 2-4 accepted); an edit's copy, in the right one.
+# the wrong place (chains of 16-32 got 0-2 accepted); an edit's copy, in the right one.
 # Below FOUND_COPY_SKIP, a found copy is not planned (the step drafts as usual: retrieval
 # re-anchors on such output where the last tokens do not), and each one passed up brings
 # the record back towards the start by FOUND_COPY_RETURN, so the request tries them again.
@@ -82,7 +83,6 @@ FOUND_COPY_RATE = 0.5
 FOUND_COPY_MAX = 0.89
 FOUND_COPY_SKIP = 0.3
 FOUND_COPY_RETURN = 0.1
-SOURCE_PROBE = 8
 
 
 @dataclass
