@@ -81,3 +81,22 @@ def test_submit_from_threads_with_a_cancellation(four):
         rep = four.verify_output(r["prompt"], results[i])
         assert rep.ok, (r["mode"], rep.summary())
     assert not any(s.busy for s in four.slots)
+
+
+def test_verification_measures_rounding_with_another_sequences_cells_interleaved(four):
+    # with several slots the check also decodes the context again with another sequence's
+    # cells between its own (as concurrent requests lay them out): the rows stay the
+    # context's own (a few logits of drift at most: a wrong position or a visible foreign
+    # cell would move them far more) and the noise covers that layout too
+    from srsd_local.engine.verify import verify_tokens
+
+    prompt = _requests()[2]["prompt"]
+    out = four.generate(prompt, max_tokens=40, mode="ar")
+    with four._lock:
+        alone = verify_tokens(four, prompt, out.token_ids)
+        both = verify_tokens(four, prompt, out.token_ids, interleave=True)
+    assert alone.ok and both.ok and both.positions == alone.positions == 40
+    assert both.noise >= alone.noise and both.drift < 3.0
+    # ... and the interleaved rows differ from the plain batched ones: a layout of its own
+    assert (both.noise, both.drift) != (alone.noise, alone.drift)
+    assert four.verify_output(prompt, out.token_ids).noise == both.noise

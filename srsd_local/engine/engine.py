@@ -392,8 +392,9 @@ class Engine:
         cfg = self.config
         chunks = VERIFY_CHUNKS if len(self.slots) == 1 else (
             *VERIFY_CHUNKS, min(len(self.slots) * (cfg.max_nodes + 1), self.backend.n_batch))
-        with self._lock:
-            return verify_tokens(self, prompt, tokens, chunks=chunks, constraint=state)
+        with self._lock:  # (several slots: their cells interleave in the cache as well)
+            return verify_tokens(self, prompt, tokens, chunks=chunks, constraint=state,
+                                 interleave=len(self.slots) > 1)
 
     def replayed_stats(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationStats:
         """`generate(prompt, **kwargs)` recorded, then replayed without running the model:

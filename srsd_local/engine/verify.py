@@ -15,6 +15,11 @@ position's top candidates and emitted token. `drift` is the
 largest logit difference seen; `noise` the largest change of a gap between the position's
 top token and another candidate (how far rounding moved the gaps this check is about). A
 mismatch whose gap is within `noise` is a near-tie that rounding can flip.
+
+An engine serving several requests at once lays their cells out interleaved in the KV cache
+(each request's prompt and steps between the others'), and attention then sums over its own
+cells in other groupings: with `interleave`, the noise is also measured with the context
+decoded again in chunks of INTERLEAVE_CHUNK alternating with another sequence's.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import numpy as np
 from ..spec.sampling import best_allowed
 
 TOP = 8  # candidates per position at which one-token and batched rows are compared
+INTERLEAVE_CHUNK = 16  # tokens per chunk when another sequence's cells are interleaved
 
 
 @dataclass
@@ -67,7 +73,8 @@ VERIFY_CHUNKS = (4, 8, 16, 32)  # batch sizes the rounding noise is measured in
 
 
 def verify_tokens(engine: Any, prompt: str | Sequence[int], tokens: Sequence[int],
-                  chunks: Sequence[int] = VERIFY_CHUNKS, constraint: Any = None
+                  chunks: Sequence[int] = VERIFY_CHUNKS, constraint: Any = None,
+                  interleave: bool = False
                   ) -> VerifyReport:
     """Check `tokens` (an output of `prompt`, greedy) against plain greedy decoding at every
     position (see the module docstring); with `constraint` (a grammar position at the start
@@ -121,16 +128,32 @@ def verify_tokens(engine: Any, prompt: str | Sequence[int], tokens: Sequence[int
         # the same prefixes in batches of each size: the rounding noise of this run
         rest = tokens[:-1]
         drift = noise = 0.0
+
+        def compare(k: int, row: np.ndarray) -> None:  # row: position k + 1's, batched
+            nonlocal drift, noise
+            delta = row[cand[k]].astype(np.float64) - one_vals[k]
+            drift = max(drift, float(np.abs(delta).max()))
+            noise = max(noise, float(np.abs(delta[1:] - delta[0]).max(initial=0.0)))
+
         for chunk in chunks:
             be.trim(len(prompt_ids))
             for s in range(0, len(rest), chunk):
                 part = rest[s: s + chunk]
                 rows = be.decode(part, want_logits="all").logits
                 for j in range(len(part)):
-                    k = s + j  # rows[j] is position k + 1
-                    delta = rows[j][cand[k]].astype(np.float64) - one_vals[k]
-                    drift = max(drift, float(np.abs(delta).max()))
-                    noise = max(noise, float(np.abs(delta[1:] - delta[0]).max(initial=0.0)))
+                    compare(s + j, rows[j])
+        if interleave and rest:  # the whole context again, sequence 1's cells between
+            be.clear()  # sequence 0's (its rows are not read)
+            ids, n0 = [*prompt_ids, *rest], len(prompt_ids)
+            for s in range(0, len(ids), INTERLEAVE_CHUNK):
+                part = ids[s: s + INTERLEAVE_CHUNK]
+                m, at = len(part), list(range(s, s + len(part)))
+                be.decode(part, positions=at, seq_ids=[[1]] * m, want_logits="none")
+                flags = [s + j >= n0 for j in range(m)]  # the output's prefix: its rows
+                rows = be.decode(part, positions=at, seq_ids=[[0]] * m,
+                                 want_logits=flags).logits
+                for r, j in enumerate(j for j in range(m) if flags[j]):
+                    compare(s + j - n0, rows[r])
         report.drift, report.noise = drift, noise
     finally:
         engine.reset()
