@@ -151,6 +151,9 @@ class FakeBackend:
     def seq_trim(self, seq: int, start: int) -> None:
         self.seqs[seq] = self.seqs.get(seq, [])[:start]
 
+    def continuable(self, seq: int, n: int) -> int:
+        return n  # (no sliding-window cache here: nothing is ever taken from a sequence)
+
     def seq_copy(self, src: int, dst: int, end: int) -> None:
         self.seqs[dst] = list(self.seqs[src][:end])
 

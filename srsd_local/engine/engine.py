@@ -40,6 +40,7 @@ import numpy as np
 
 from .. import store
 from ..config import SamplingParams, SRSDConfig
+from ..llama import omp
 from ..llama.backend import Backend, ContextFullError, DecodeError
 from ..llama.chat import render_chat
 from ..llama.grammar import Constraint, ConstraintSpec, Forcing, GrammarState
@@ -166,6 +167,7 @@ class Engine:
         if learned:
             engine._acceptance_name = name
             engine._profile = tuple(profile) if profile else None
+        omp.release()  # (the profile's passes ran here; requests may decode elsewhere)
         return engine
 
     def reconfigure(self, **changes: Any) -> None:
@@ -377,6 +379,7 @@ class Engine:
                     self._run_pass(step)
             finally:
                 self._retire(job)
+                omp.release()  # the next pass may come from another thread
 
     def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:
         return collect(self.stream(prompt, **kwargs))
@@ -393,8 +396,11 @@ class Engine:
         chunks = VERIFY_CHUNKS if len(self.slots) == 1 else (
             *VERIFY_CHUNKS, min(len(self.slots) * (cfg.max_nodes + 1), self.backend.n_batch))
         with self._lock:  # (several slots: their cells interleave in the cache as well)
-            return verify_tokens(self, prompt, tokens, chunks=chunks, constraint=state,
-                                 interleave=len(self.slots) > 1)
+            try:
+                return verify_tokens(self, prompt, tokens, chunks=chunks, constraint=state,
+                                     interleave=len(self.slots) > 1)
+            finally:
+                omp.release()
 
     def replayed_stats(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationStats:
         """`generate(prompt, **kwargs)` recorded, then replayed without running the model:
@@ -433,6 +439,7 @@ class Engine:
             finally:
                 for j in active:
                     self._retire(j)
+                omp.release()
         return [collect(iter(events[id(j)])) for j in jobs]
 
     def submit(self, prompt: str | Sequence[int], **kwargs: Any) -> Iterator[StreamEvent]:
@@ -452,7 +459,10 @@ class Engine:
         slot, donor, shared = pick(self.slots, prompt)
         if self.plain_only:  # a recurrent state cannot be cut back or shared
             donor, shared = None, 0
-        if donor is not None and shared > slot.common_prefix(prompt):
+        if donor is not None:  # (what the slot's own cells offer: see _prefill)
+            shared = self.backend.continuable(donor.base, shared)
+        if donor is not None and shared > self.backend.continuable(
+                slot.base, slot.common_prefix(prompt)):
             self.backend.seq_copy(donor.base, slot.base, shared)  # prefix sharing
             slot.forget()
             slot.index.copy_from(donor.index, shared)
@@ -639,6 +649,7 @@ class Engine:
     def _enqueue(self, job: _Job) -> _Job:
         with self._worker_lock:
             if self._worker is None:
+                omp.release()  # this thread may have decoded: from now on the scheduler does
                 self._worker = threading.Thread(target=self._serve, name="srsd-scheduler",
                                                 daemon=True)
                 self._worker.start()
@@ -717,6 +728,9 @@ class Engine:
         common = slot.common_prefix(np.asarray(tokens, dtype=np.int32))
         if self.plain_only:  # a recurrent state cannot be cut back to a common prefix
             common = 0
+        # (not where the sliding-window cache lost what the window at `common` needs: all
+        # of the prompt is decoded again)
+        common = self.backend.continuable(slot.base, common)
         saved = slot.prompt_end
         if common == n and saved is not None and saved[0] == n - 1:
             self._cut(slot, n)

@@ -189,6 +189,7 @@ class Backend:
         self.graph_sampling = False  # whether graph samplers are set up
         self._main_chains: dict[int, object] = {}  # sample_main: sequence -> its chain
         self._shares: dict[int, tuple[int, int]] = {}  # branch id -> cells it holds (KV)
+        self._lows: dict[int, int] = {}  # branch id -> its main's first position then
         self._text_tokenizer: Callable[[str], list[int]] | None = None
         self.capture: HiddenCapture | CompiledCapture | None = None
         try:
@@ -200,6 +201,8 @@ class Backend:
             self._one_token = array("i", [0])  # its token (reused: like a logits view)
             self.n_embd = L.llama_model_n_embd(self.model)
             self.n_layer = L.llama_model_n_layer(self.model)
+            # sliding-window attention's window (Gemma 3: 512 of its layers), 0: none
+            self.n_swa = int(getattr(L, "llama_model_n_swa", lambda m: 0)(self.model))
             self.layer = None
             if capture_layer is not None:
                 self.layer = resolve_layer(capture_layer, self.n_layer)
@@ -830,6 +833,13 @@ class Backend:
     # the cells the main sequence got since. `_shares[s] = (base, end)`: branch id s holds
     # exactly the cells of sequence `base` at positions < end (and nothing else, outside a
     # tree pass); every removal from `base` is applied to its branch ids as well.
+    # One removal is llama.cpp's own: with a sliding-window cache (Gemma 3's), a cell only
+    # `base` holds that lies outside its window may be taken for another sequence's token,
+    # and `base` then loses its positions up to that one in that cache (its first position
+    # there moves up) while the branch ids keep theirs. llama.cpp refuses a batch whose
+    # token is shared by sequences whose first or last positions differ ("coupled ... but
+    # have diverged"), so a branch id whose `base` lost its first cells since the id was
+    # forked is copied afresh (`_lows[s]`: the first position of `base` then).
     _UNBOUNDED = 1 << 30  # `end` of a branch id forked from its whole main sequence
     _NOT_SHARED = -2  # the `base` of an id whose cells are not known to be another's
 
@@ -847,14 +857,17 @@ class Backend:
         if n_branches > self.config.max_branches + (first is None or first == base):
             raise ValueError(f"{n_branches} branches > max_branches + 1 "
                              f"({self.config.max_branches + 1})")
-        L, mem, shares = self._L, self.mem, self._shares
+        L, mem, shares, lows = self._L, self.mem, self._shares, self._lows
+        low = L.llama_memory_seq_pos_min(mem, base)
         for s in self._branch_ids(base, n_branches, first):
             of, end = shares.get(s, (base, 0))
-            if of != base:  # it held another sequence's cells: start afresh
+            if of != base or (end and lows.get(s) != low):  # it held another sequence's
+                # cells, or `base` lost its first cells since it got them: start afresh
                 L.llama_memory_seq_rm(mem, s, -1, -1)
                 end = 0
             L.llama_memory_seq_cp(mem, base, s, end, -1)
             shares[s] = (base, self._UNBOUNDED)
+            lows[s] = low
 
     def seq_commit(self, base: int, winner: int, start: int, keep_until: int,
                    n_branches: int, first: int | None = None) -> None:
@@ -883,6 +896,19 @@ class Backend:
         between fork and commit): the tree's cells go from the branch ids and `base`."""
         self._drop_tree(base, n_branches, start, first)
         self._seq_rm(base, start)
+
+    def continuable(self, seq: int, n: int) -> int:
+        """How much of sequence `seq`'s first n positions a continuation may start from: n,
+        or 0 where its sliding-window cache lost positions that the window of position n
+        still needs. (llama.cpp's sliding-window cache gives a cell that only one sequence
+        holds, outside that sequence's window, to another token when it needs room, and the
+        sequence then loses its positions up to that one there: `seq_pos_min` moves up.
+        A sequence cut back to an earlier position would attend to a window with a hole:
+        the text it starts with, gone from those layers.)"""
+        low = self._L.llama_memory_seq_pos_min(self.mem, seq)
+        if low <= 0 or n <= 0:
+            return n
+        return n if self.n_swa and low <= n - self.n_swa + 1 else 0
 
     def seq_trim(self, seq: int, start: int) -> None:
         """Drop positions >= start of sequence `seq` (all of it for start 0)."""
