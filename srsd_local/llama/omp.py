@@ -9,7 +9,8 @@ pass is a parallel region with a barrier after each of its operations, so from t
 barrier waits for a sleeping thread to be woken. That happens as soon as a second thread
 decodes while the first one's pool is still there: a model loaded (its cost profile
 measured) or `generate` run on the main thread, then requests served from the engine's
-scheduler thread (`submit`, the server, concurrent clients). Measured on a 2-core CPU with
+scheduler thread (`submit`, concurrent clients; the server loads its model on a thread that
+ends, which frees that thread's pool). Measured on a 2-core CPU with
 the default model: plain steps from a second thread took 34 ms against 21 from the first;
 with the first thread's pool let go, 21.
 
@@ -27,8 +28,6 @@ import ctypes
 import os
 
 OMP_PAUSE_HARD = 2  # omp_pause_resource_t: the threads end, not only idle
-
-
 _found: list = []  # libgomp's omp_pause_resource_all, once found
 
 
