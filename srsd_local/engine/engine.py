@@ -32,6 +32,7 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Generator, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -364,7 +365,7 @@ class Engine:
         if self._worker is not None:
             yield from self._follow(self._enqueue(job))
             return
-        with self._lock:
+        with self._on_this_thread():
             self._admit(job)
             try:
                 while True:
@@ -379,7 +380,6 @@ class Engine:
                     self._run_pass(step)
             finally:
                 self._retire(job)
-                omp.release()  # the next pass may come from another thread
 
     def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:
         return collect(self.stream(prompt, **kwargs))
@@ -395,12 +395,9 @@ class Engine:
         cfg = self.config
         chunks = VERIFY_CHUNKS if len(self.slots) == 1 else (
             *VERIFY_CHUNKS, min(len(self.slots) * (cfg.max_nodes + 1), self.backend.n_batch))
-        with self._lock:  # (several slots: their cells interleave in the cache as well)
-            try:
-                return verify_tokens(self, prompt, tokens, chunks=chunks, constraint=state,
-                                     interleave=len(self.slots) > 1)
-            finally:
-                omp.release()
+        with self._on_this_thread():  # (several slots: their cells interleave in the cache)
+            return verify_tokens(self, prompt, tokens, chunks=chunks, constraint=state,
+                                 interleave=len(self.slots) > 1)
 
     def replayed_stats(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationStats:
         """`generate(prompt, **kwargs)` recorded, then replayed without running the model:
@@ -421,7 +418,7 @@ class Engine:
             return [collect(self._follow(self._enqueue(j))) for j in jobs]
         events: dict[int, list[StreamEvent]] = {id(j): [] for j in jobs}
         waiting = list(jobs)
-        with self._lock:
+        with self._on_this_thread():
             active: list[_Job] = []
             try:
                 while waiting or active:
@@ -439,7 +436,6 @@ class Engine:
             finally:
                 for j in active:
                     self._retire(j)
-                omp.release()
         return [collect(iter(events[id(j)])) for j in jobs]
 
     def submit(self, prompt: str | Sequence[int], **kwargs: Any) -> Iterator[StreamEvent]:
@@ -644,6 +640,17 @@ class Engine:
             w.sampled = None if out.sampled is None else out.sampled[row: row + k]
             w.hidden = None if out.hidden is None else out.hidden[tok: tok + len(w)]
             row, tok = row + k, tok + len(w)
+
+    @contextmanager
+    def _on_this_thread(self) -> Iterator[None]:
+        """The engine's lock, for work that decodes on the caller's thread rather than the
+        scheduler thread's; when done, the thread lets its OpenMP pool go (the next pass may
+        come from another thread: see llama/omp.py)."""
+        with self._lock:
+            try:
+                yield
+            finally:
+                omp.release()
 
     # -- worker thread (submit) -------------------------------------------------------------
     def _enqueue(self, job: _Job) -> _Job:
