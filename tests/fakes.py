@@ -127,8 +127,11 @@ class FakeBackend:
     graph_seqs: frozenset = frozenset()  # no in-graph sampling here
     graph_sampling = False
 
-    def sample_main(self, seq: int, on: bool) -> bool:
+    def sample_main(self, seq: int, on: bool, keep: bool = False) -> bool:
         return False
+
+    def keep_rows(self, seqs, on: bool) -> bool:
+        return not on
     _branches = staticmethod(Backend._branch_ids)
 
     def seq_fork(self, base: int, n_branches: int, first: int | None = None) -> None:

@@ -1,8 +1,9 @@
 """sample_in_graph on the real default model: greedy trees verified with llama.cpp's in-graph
-greedy sampler (only token ids come back) give plain decoding's tokens at every position, and
-requests that need the logits (sampled, constrained, log-probabilities) still get them, alone
-and sharing a batch with in-graph trees; by default on a CPU, only the trees whose walk is
-expected to read enough rows are sampled in the graph."""
+greedy sampler (only token ids come back) give plain decoding's tokens at every position;
+greedy requests under a grammar get the argmax and the rows; requests that need the logits
+(sampled, log-probabilities) still get them, alone and sharing a batch with in-graph trees;
+by default on a CPU, only the trees whose walk is expected to read enough rows are sampled in
+the graph."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from srsd_local.bench.workloads import load_workload
 from srsd_local.config import SRSDConfig
+from srsd_local.llama.grammar import schema_problem
 
 pytestmark = pytest.mark.model
 
@@ -61,13 +63,7 @@ def test_greedy_trees_sampled_in_graph_equal_plain_decoding(graph_engine):
 def test_requests_that_need_logits_still_get_them(graph_engine):
     be = graph_engine.backend
     rows0 = be.graph_rows
-    # constrained greedy: the grammar picks from the logits, so no in-graph rows
-    out = graph_engine.generate(JSON.prompt, max_tokens=JSON.max_tokens, mode="srsd",
-                                json_schema=JSON.json_schema)
-    assert out.stats.drafts > 0
-    assert graph_engine.verify_output(JSON.prompt, out.token_ids,
-                                      json_schema=JSON.json_schema).ok
-    # log-probabilities come from the rows too
+    # log-probabilities come from the rows
     lp = graph_engine.generate(EDIT.prompt, max_tokens=24, mode="srsd", logprobs=2)
     assert len(lp.logprobs) == len(lp.token_ids)
     assert all(-50.0 < e.logprob <= 0.0 for e in lp.logprobs)
@@ -77,6 +73,60 @@ def test_requests_that_need_logits_still_get_them(graph_engine):
     assert sampled.stats.drafts > 0 and len(sampled.token_ids) == 48
     assert all(-50.0 < e.logprob <= 0.0 for e in sampled.logprobs)
     assert be.graph_rows == rows0
+    assert not be.kept_seqs
+
+
+def test_constrained_greedy_takes_the_graphs_argmax_and_reads_kept_rows(graph_engine,
+                                                                        monkeypatch):
+    """Greedy under a grammar: each row's argmax comes from the graph and the row is copied
+    out too; the grammar checks the argmax, and where it rejects it the best admitted token
+    is found in the kept row. Plain steps (ar) and trees (srsd) alike."""
+    from srsd_local.spec import sampling
+
+    be = graph_engine.backend
+    seen = {"given": 0, "rejected": 0}
+    best = sampling.best_allowed
+
+    def spy(x, allowed, top=None):
+        tok = best(x, allowed, top)
+        if top is not None:
+            seen["given"] += 1
+            seen["rejected"] += tok != top
+        return tok
+
+    monkeypatch.setattr(sampling, "best_allowed", spy)
+    for mode in ("ar", "srsd"):
+        rows0, given0, rejected0 = be.graph_rows, seen["given"], seen["rejected"]
+        out = graph_engine.generate(JSON.prompt, max_tokens=JSON.max_tokens, mode=mode,
+                                    json_schema=JSON.json_schema)
+        assert be.graph_rows - rows0 >= len(out.token_ids) - 1, mode
+        assert seen["given"] - given0 >= len(out.token_ids) - 1, mode
+        # the grammar rejected the graph's argmax somewhere: the kept row was read there
+        assert seen["rejected"] > rejected0, mode
+        assert be.kept_seqs, mode
+        if mode == "srsd":
+            assert out.stats.drafts > 0 and out.stats.accepted_tokens > 0
+        assert schema_problem(JSON.json_schema, out.text) is None, (mode, out.text)
+        rep = graph_engine.verify_output(JSON.prompt, out.token_ids,
+                                         json_schema=JSON.json_schema)
+        assert rep.ok, (mode, rep.summary())
+    # sharing passes with a greedy request's argmax-only rows (every row sampled: the kept
+    # rows found among rows copied out for this request alone), then with a sampled
+    # request's rows (every row copied out)
+    for other in ({}, {"temperature": 0.7, "seed": 3}):
+        given0 = seen["given"]
+        constrained, edit = graph_engine.generate_many([
+            {"prompt": JSON.prompt, "max_tokens": JSON.max_tokens, "mode": "srsd",
+             "json_schema": JSON.json_schema},
+            {"prompt": EDIT.prompt, "max_tokens": 64, "mode": "srsd", **other},
+        ])
+        assert seen["given"] - given0 >= len(constrained.token_ids) - 1, other
+        assert schema_problem(JSON.json_schema, constrained.text) is None, other
+        assert graph_engine.verify_output(JSON.prompt, constrained.token_ids,
+                                          json_schema=JSON.json_schema).ok, other
+        assert len(edit.token_ids) == 64
+        if not other:
+            assert graph_engine.verify_output(EDIT.prompt, edit.token_ids).ok
 
 
 def test_in_graph_and_logits_trees_share_a_batch(graph_engine):

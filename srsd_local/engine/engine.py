@@ -812,13 +812,22 @@ class Engine:
         # log-probabilities, nothing that reshapes the logits)
         in_graph = (be.graph_sampling and type(sampler) is Sampler and sampler.params.greedy
                     and n_lp is None)
-        # the slot's main sequence is then sampled in the graph: plain steps and chains come
-        # back as token ids (a tree's rows on its other branches are copied out)
-        main_graph = be.sample_main(slot.base, in_graph)
+        # greedy under a grammar: the argmax taken in the graph as well, each row copied out
+        # too (`kept`; read where the grammar rejects the argmax); not in a replayed
+        # generation (its recording holds no such rows)
+        kept = (be.graph_sampling and type(sampler) is ConstrainedSampler and
+                sampler.params.greedy and n_lp is None and be.replay is None)
         # a tree of several branches sampled in the graph lives on the slot's sampled
         # branch ids
-        graph_first = (self.config.graph_branch_base(slot.base // (self.config.max_branches + 1))
-                       if in_graph else slot.base)
+        branches = self.config.graph_branch_base(slot.base // (self.config.max_branches + 1))
+        if be.graph_sampling and not be.keep_rows(
+                range(branches, branches + self.config.max_branches), kept):
+            kept = False  # (llama.cpp refused: those ids are back to their argmax alone)
+        in_graph = in_graph or kept
+        # the slot's main sequence is then sampled in the graph: plain steps and chains come
+        # back as token ids (a tree's rows on its other branches are copied out)
+        main_graph = be.sample_main(slot.base, in_graph, keep=kept)
+        graph_first = branches if in_graph else slot.base
 
         # 1. prefill
         t0 = time.perf_counter()
@@ -894,7 +903,10 @@ class Engine:
                 yield w
                 got = w.sampled  # (in a batch with other requests: -1 for this row
                 path, path_tokens = [0], [x]  # where this request's rows are not sampled)
-                y = int(got[0]) if got is not None and got[0] >= 0 else sampler(w.logits[0])
+                if got is None or got[0] < 0:
+                    y = sampler(w.logits[0])
+                else:  # (kept: the argmax checked against the grammar, else its row read)
+                    y = sampler(w.logits[0], int(got[0])) if kept else int(got[0])
             else:
                 lay = plan.tree.layout()
                 # sampled in the graph: a chain on the main sequence where that is sampled
@@ -908,7 +920,9 @@ class Engine:
                 try:
                     w = _tree_work(lay, n, first, plan.pad, req.uses_index)
                     yield w
-                    if graph or chain:
+                    if kept and (graph or chain):
+                        path, y = walk_tree(plan.tree, _node, _kept_draw(w, sampler))
+                    elif graph or chain:
                         path, y = walk_tree(plan.tree, _graph_rows(w), int)
                     else:
                         path, y = walk_tree(plan.tree, w.logits.__getitem__, sampler)
@@ -1105,6 +1119,22 @@ def _graph_rows(w: Work) -> Callable[[int], int]:
         return t
 
     return row
+
+
+def _node(node: int) -> int:
+    return node
+
+
+def _kept_draw(w: Work, sampler: ConstrainedSampler) -> Callable[[int], int]:
+    """The tree walk's draw at a node for a tree sampled in llama.cpp's graph with its rows
+    kept (a greedy request under a grammar): the graph's argmax where the grammar admits
+    it, else the best admitted token of the node's row."""
+    row, logits = _graph_rows(w), w.logits
+
+    def draw(node: int) -> int:
+        return sampler(logits[node], row(node))
+
+    return draw
 
 
 def collect(events: Iterator[StreamEvent]) -> GenerationResult:

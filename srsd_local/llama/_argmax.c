@@ -10,7 +10,8 @@
  * thread and a scalar loop: every thread takes the maximum of its share of the row (the
  * first index holding it), then one thread picks the first part with the largest. Elsewhere
  * (a GPU's backend, srsd_argmax_iface(0)) it is ggml's argmax. The token is numpy's argmax
- * for rows without NaN.
+ * for rows without NaN. The "keep" kinds (srsd_argmax_iface(2 | threads)) copy the row out
+ * as well, as the row's sampled logits (read where a grammar rejects the argmax).
  *
  * The types below follow the llama.h / ggml.h of the pinned llama-cpp-python (the sampler
  * interface and its data, a token data array, the leading fields of a ggml tensor);
@@ -240,48 +241,65 @@ static struct tensor *unpadded(struct ggml_context *ctx, struct tensor *row, boo
     return view_1d(ctx, logits, row->ne[0], row->view_offs);
 }
 
-/* CPU: the two custom ops. */
-static void apply_threads(struct llama_sampler *s, struct ggml_context *ctx,
-                          struct ggml_cgraph *gf, struct sampler_data *data) {
-    (void)s, (void)gf;
+/* CPU: the two custom ops; the row kept as the row's "sampled logits" (copied out) or not. */
+static void argmax_threads(struct ggml_context *ctx, struct sampler_data *data, bool keep) {
     bool direct;
     struct tensor *row = unpadded(ctx, data->logits, &direct);
     struct tensor *parts = custom_4d(ctx, TYPE_F32, 1 + 2 * MAX_PARTS, 1, 1, 1, &row, 1,
                                      part_op, ALL_THREADS, row);
     data->sampled = custom_4d(ctx, TYPE_I32, 1, 1, 1, 1, &parts, 1,
                               direct ? pick_direct_op : pick_op, 1, parts);
-    /* only the token comes back: left set, the row would be computed (the pad) and copied
-     * out as the row's sampled logits */
-    data->logits = NULL;
+    /* not kept, only the token comes back: left as it was, the padded row would be computed
+     * and copied out; kept, the row of the logits tensor itself is */
+    data->logits = keep ? row : NULL;
 }
 
-/* Any backend (a GPU's): ggml's argmax of the unpadded row, nothing copied out but the
- * token. */
-static void apply_ggml(struct llama_sampler *s, struct ggml_context *ctx,
-                       struct ggml_cgraph *gf, struct sampler_data *data) {
+static void apply_threads(struct llama_sampler *s, struct ggml_context *ctx,
+                          struct ggml_cgraph *gf, struct sampler_data *data) {
     (void)s, (void)gf;
+    argmax_threads(ctx, data, false);
+}
+
+static void apply_threads_keep(struct llama_sampler *s, struct ggml_context *ctx,
+                               struct ggml_cgraph *gf, struct sampler_data *data) {
+    (void)s, (void)gf;
+    argmax_threads(ctx, data, true);
+}
+
+/* Any backend (a GPU's): ggml's argmax of the unpadded row; the row kept or not. */
+static void argmax_ggml(struct ggml_context *ctx, struct sampler_data *data, bool keep) {
     bool direct;
     struct tensor *row = unpadded(ctx, data->logits, &direct);
     data->sampled = ggml_argmax(ctx, row);
-    data->logits = NULL;
+    data->logits = keep ? row : NULL;
 }
 
-static struct sampler_iface threads_iface = {
-    .name = name,
-    .apply = apply,
-    .backend_init = backend_init,
-    .backend_apply = apply_threads,
+static void apply_ggml(struct llama_sampler *s, struct ggml_context *ctx,
+                       struct ggml_cgraph *gf, struct sampler_data *data) {
+    (void)s, (void)gf;
+    argmax_ggml(ctx, data, false);
+}
+
+static void apply_ggml_keep(struct llama_sampler *s, struct ggml_context *ctx,
+                            struct ggml_cgraph *gf, struct sampler_data *data) {
+    (void)s, (void)gf;
+    argmax_ggml(ctx, data, true);
+}
+
+static struct sampler_iface ifaces[4] = {
+    {.name = name, .apply = apply, .backend_init = backend_init, .backend_apply = apply_ggml},
+    {.name = name, .apply = apply, .backend_init = backend_init,
+     .backend_apply = apply_threads},
+    {.name = name, .apply = apply, .backend_init = backend_init,
+     .backend_apply = apply_ggml_keep},
+    {.name = name, .apply = apply, .backend_init = backend_init,
+     .backend_apply = apply_threads_keep},
 };
 
-static struct sampler_iface ggml_iface = {
-    .name = name,
-    .apply = apply,
-    .backend_init = backend_init,
-    .backend_apply = apply_ggml,
-};
-
-/* The sampler interface: 1, the CPU's custom ops; 0, ggml's argmax. */
-void *srsd_argmax_iface(int threads) { return threads ? &threads_iface : &ggml_iface; }
+/* The sampler interface: bit 0, the CPU's custom ops (else ggml's argmax); bit 1, the row
+ * kept as the row's sampled logits (for a request that may need more than the argmax: a
+ * grammar that rejects it). */
+void *srsd_argmax_iface(int kind) { return &ifaces[kind & 3]; }
 
 /* After a llama_decode call: into out[k], the in-graph sampled token of batch row rows[k]
  * (-1 where rows[k] is -1), read with llama_get_sampled_token_ith (`get`); returns how many

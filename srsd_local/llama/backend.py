@@ -77,6 +77,16 @@ def _get_logits_address(L, ctx) -> int | None:
     return _ctx_fn(L, "llama_get_logits", ctypes.c_void_p)(ctx)
 
 
+def _sampled_logits_address(L, ctx, i: int) -> int | None:
+    """llama_get_sampled_logits_ith as a plain address (None: the row has none)."""
+    fn = _CTX_FNS.get("llama_get_sampled_logits_ith")
+    if fn is None:
+        fn = _CTX_FNS["llama_get_sampled_logits_ith"] = ctypes.CFUNCTYPE(
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32)(
+                ("llama_get_sampled_logits_ith", L._lib))
+    return fn(ctx, i)
+
+
 def _synchronize(L, ctx) -> None:
     """llama_synchronize: llama_decode returns once the forward pass is queued, and with GPU
     layers the pass (after the last captured tensor, at least) is still running then;
@@ -182,12 +192,17 @@ class Backend:
             raise ValueError(f"llama.cpp could not load the model {self.model_path!r} "
                              "(is it a GGUF of an architecture this llama.cpp supports?)")
         self.ctx = None
-        self._chains: list = []
         self.graph_seqs: frozenset[int] = frozenset()  # sequences sampled in llama.cpp's graph
         self.graph_rows = 0  # output rows whose token llama.cpp's graph took, ever
         self.graph_sampler = ""  # which sampler takes them (_attach_greedy), "" for none
         self.graph_sampling = False  # whether graph samplers are set up
         self._main_chains: dict[int, object] = {}  # sample_main: sequence -> its chain
+        # sampled sequences whose rows are copied out as well (keep_rows, sample_main's
+        # `keep`)
+        self.kept_seqs: frozenset[int] = frozenset()
+        # the sampled branch ids' chains (a chain is attached once: a change of kind is a
+        # new chain)
+        self._branch_chains: dict[int, object] = {}
         self._shares: dict[int, tuple[int, int]] = {}  # branch id -> cells it holds (KV)
         self._lows: dict[int, int] = {}  # branch id -> its main's first position then
         self._text_tokenizer: Callable[[str], list[int]] | None = None
@@ -303,8 +318,7 @@ class Backend:
         L = self._L
         self.graph_sampler = "llama"
         for s in seqs:
-            chain = self._greedy_chain()
-            self._chains.append(chain)
+            chain = self._branch_chains[s] = self._greedy_chain()
             if not L.llama_set_sampler(self.ctx, s, chain):
                 if not required:
                     for q in seqs:
@@ -317,33 +331,45 @@ class Backend:
                                  "supported with a tensor split); run without it")
         self.graph_seqs = frozenset(seqs)
 
-    def _greedy_chain(self):
+    def _greedy_chain(self, keep: bool = False):
         """A new sampler chain of one greedy sampler: the compiled one of graph_argmax.py
-        where it can be built (on a CPU, its argmax on every thread), else llama.cpp's."""
+        where it can be built (on a CPU, its argmax on every thread), else llama.cpp's.
+        `keep`: the row is copied out as well, as its sampled logits (llama.cpp's own greedy
+        sampler always does that)."""
         L = self._L
         threads = self._output_on_cpu()
         chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
-        smpl = make_sampler(L, threads) if environment().graph_sampler == "srsd" else None
+        smpl = (make_sampler(L, threads, keep) if environment().graph_sampler == "srsd"
+                else None)
         if smpl is not None:
             self.graph_sampler = "srsd-threads" if threads else "srsd-ggml"
         L.llama_sampler_chain_add(chain, smpl or L.llama_sampler_init_greedy())
         return chain
 
-    def sample_main(self, seq: int, on: bool) -> bool:
+    def sample_main(self, seq: int, on: bool, keep: bool = False) -> bool:
         """Take (`on`) or stop taking the argmax of sequence `seq`'s rows in llama.cpp's graph:
         for a slot's main sequence while it serves a greedy request that needs no logits, so
         that its plain steps and its chains' rows come back as token ids (no row copied out,
-        no argmax on the host). Only where graph sampling is set up (`graph_sampling`); the
-        next pass after a change re-plans llama.cpp's graph (a few milliseconds on a CPU).
-        Returns whether the sequence is sampled in the graph now."""
+        no argmax on the host); with `keep`, rows copied out as well (a greedy request under
+        a grammar: the argmax checked first, the row read where the grammar rejects it).
+        Only where graph sampling is set up (`graph_sampling`); the next pass after a change
+        re-plans llama.cpp's graph (a few milliseconds on a CPU). Returns whether the
+        sequence is sampled in the graph now."""
         have = seq in self._main_chains
-        if on == have or not self.graph_sampling:
+        keep = keep and on
+        if (on == have and keep == (seq in self.kept_seqs)) or not self.graph_sampling:
             return have
         L = self._L
         if on:
-            chain = self._greedy_chain()
-            if not L.llama_set_sampler(self.ctx, seq, chain):
+            chain = self._greedy_chain(keep)
+            old = self._main_chains.pop(seq, None)
+            ok = L.llama_set_sampler(self.ctx, seq, chain)
+            if old is not None:  # replaced, or dropped by the refusal: no longer the context's
+                L.llama_sampler_free(old)
+            if not ok:
                 L.llama_sampler_free(chain)
+                self.graph_seqs = self.graph_seqs - {seq}
+                self.kept_seqs = self.kept_seqs - {seq}
                 return False
             self._main_chains[seq] = chain
             self.graph_seqs = self.graph_seqs | {seq}
@@ -351,7 +377,30 @@ class Backend:
             L.llama_set_sampler(self.ctx, seq, None)
             L.llama_sampler_free(self._main_chains.pop(seq))
             self.graph_seqs = self.graph_seqs - {seq}
+        self.kept_seqs = self.kept_seqs | {seq} if keep else self.kept_seqs - {seq}
         return on
+
+    def keep_rows(self, seqs: Sequence[int], on: bool) -> bool:
+        """Whether the rows of these sampled branch ids (set up with graph sampling) are
+        copied out as well as their argmax taken (`on`: for a greedy request under a grammar)
+        or their argmax alone comes back. Returns whether they are as asked now (llama.cpp
+        refused no chain)."""
+        L = self._L
+        for s in seqs:
+            old = self._branch_chains.get(s)
+            if old is None or s not in self.graph_seqs or (s in self.kept_seqs) == on:
+                continue
+            chain = self._branch_chains[s] = self._greedy_chain(on)
+            ok = L.llama_set_sampler(self.ctx, s, chain)
+            L.llama_sampler_free(old)  # (replaced, or dropped by llama.cpp's refusal)
+            if not ok:  # back to an argmax alone
+                chain = self._branch_chains[s] = self._greedy_chain()
+                self.kept_seqs = self.kept_seqs - {s}
+                if not L.llama_set_sampler(self.ctx, s, chain):
+                    raise DecodeError(f"llama.cpp no longer takes a sampler for sequence {s}")
+                return False
+            self.kept_seqs = self.kept_seqs | {s} if on else self.kept_seqs - {s}
+        return True
 
     # -- lifecycle ------------------------------------------------------------------------
     def close(self) -> None:
@@ -362,9 +411,10 @@ class Backend:
         if self.ctx:
             L.llama_free(self.ctx)
             self.ctx = None
-        for chain in [*getattr(self, "_chains", ()), *getattr(self, "_main_chains", {}).values()]:
+        for chain in [*getattr(self, "_branch_chains", {}).values(),
+                      *getattr(self, "_main_chains", {}).values()]:
             L.llama_sampler_free(chain)  # (the context no longer uses them)
-        self._chains, self._main_chains = [], {}
+        self._branch_chains, self._main_chains = {}, {}
         if self.model:
             L.llama_model_free(self.model)
             self.model = None
@@ -568,6 +618,9 @@ class Backend:
                 ids is not None else None)
         if plan is not None and max(plan[1]) < 0:  # no output row is sampled in graph
             plan = None
+        # a sampled row copied out as well: where the copied rows are found
+        kept = (self._first_kept(ids, self._b_logits[:m] if flags is None else flags)
+                if plan is not None and self.kept_seqs else None)
         if self.capture is not None:
             self.capture.reset()
         self._decode_batch(m)
@@ -578,6 +631,10 @@ class Backend:
         logits = None
         if n_out and raw:  # a view of llama.cpp's buffer: the next call overwrites it
             view = self._logits(n_out)
+            logits = view if last else view.copy()
+        elif n_out and kept is not None:  # every row was sampled in its graph, some rows
+            # copied out as well (the others' rows there are not theirs: never read)
+            view = self._kept_rows(kept, n_out)
             logits = view if last else view.copy()
         elif n_out:  # not copied out by llama.cpp: every row was sampled in its graph
             logits = self._nan_rows(n_out)
@@ -604,6 +661,37 @@ class Backend:
                 raw = True
             rows.append(i if ids[0] in graph else -1)
         return raw, rows
+
+    def _first_kept(self, seq_ids: Sequence[Sequence[int]], flags: array | None
+                    ) -> tuple[int, int] | None:
+        """The first output row whose first sequence is in `kept_seqs`: (its batch row, its
+        output row), or None."""
+        kept, out = self.kept_seqs, 0
+        for i, ids in enumerate(seq_ids):
+            if flags is not None and not flags[i]:
+                continue
+            if ids[0] in kept:
+                return i, out
+            out += 1
+        return None
+
+    def _kept_rows(self, at: tuple[int, int], n_out: int) -> np.ndarray:
+        """The n_out output rows of the last decode as llama.cpp copied them out for sampled
+        rows (its "sampled logits"; rows copied out in output order), found from output row
+        at[1] (batch row at[0]), which has one: a view (views cached per address)."""
+        addr = _sampled_logits_address(self._L, self.ctx, at[0])
+        if not addr:
+            raise DecodeError("llama.cpp returned no logits for a row sampled in its graph "
+                              "with its row kept")
+        key = (addr - at[1] * self.n_vocab * 4, n_out)
+        view = self._views.get(key)
+        if view is None:
+            if len(self._views) > 64:
+                self._views.clear()
+            buf = (ctypes.c_float * (n_out * self.n_vocab)).from_address(key[0])
+            view = self._views[key] = np.frombuffer(buf, np.float32).reshape(n_out,
+                                                                             self.n_vocab)
+        return view
 
     def _sampled(self, plan: tuple[bool, array]) -> tuple[bool, np.ndarray, bool]:
         """After the llama_decode call `plan` (_graph_plan) was made for: whether llama.cpp
@@ -694,7 +782,8 @@ class Backend:
                 got = self._one_token
                 got[0] = st.token
                 self.graph_rows += 1
-                return DecodeOutput(self._no_rows, hidden, got, bool(staged))
+                rows = self._kept_rows((0, 0), 1) if seq in self.kept_seqs else self._no_rows
+                return DecodeOutput(rows, hidden, got, bool(staged))
             return DecodeOutput(self._logits(1), hidden, None, bool(staged))
         if capture is not None and self.capture is not None:
             self.capture.enabled = capture
@@ -710,7 +799,9 @@ class Backend:
             got[0] = (rep.sampled_rows()[1][0] if rep is not None else
                       self._L.llama_get_sampled_token_ith(self.ctx, 0))
             self.graph_rows += 1
-            return DecodeOutput(self._no_rows, hidden, got)
+            rows = (self._kept_rows((0, 0), 1) if seq in self.kept_seqs and rep is None else
+                    self._no_rows)
+            return DecodeOutput(rows, hidden, got)
         return DecodeOutput(self._logits(1), hidden)
 
     def _captured(self, copy: bool = True) -> np.ndarray | None:

@@ -1,7 +1,8 @@
 """Greedy samplers for llama.cpp's graph that copy nothing out but the token (`_argmax.c`).
 
 With `sample_in_graph`, each output row of a sampled sequence gets its argmax inside the
-forward pass and only the token id comes back. llama.cpp's own greedy sampler still has
+forward pass and only the token id comes back (or, for a request under a grammar, the token
+and the row). llama.cpp's own greedy sampler still has
 every row padded into a copy and copied out (as the row's "sampled logits"), and on a CPU
 its argmax takes one thread and a scalar loop; together they cost more than the walk over
 logits rows they spare. These samplers take the row from llama.cpp's logits tensor itself
@@ -71,14 +72,17 @@ def sampled_reader(L):
     return read
 
 
-def make_sampler(L, threads: bool) -> object | None:
+def make_sampler(L, threads: bool, keep: bool = False) -> object | None:
     """A new llama_sampler of this kind (for a sampler chain, which then owns it), or None
     when it could not be built. `threads`: the argmax as custom ops on every CPU thread (for
-    logits computed on the CPU), else ggml's argmax (on the backend that computed them)."""
+    logits computed on the CPU), else ggml's argmax (on the backend that computed them).
+    `keep`: the row is copied out as well, as the row's sampled logits (a grammar that
+    rejects the argmax needs the row)."""
     lib = library()
     if lib is None:
         return None
-    iface = ctypes.cast(lib.srsd_argmax_iface(int(threads)), ctypes.POINTER(L.llama_sampler_i))
+    kind = int(threads) | (2 if keep else 0)
+    iface = ctypes.cast(lib.srsd_argmax_iface(kind), ctypes.POINTER(L.llama_sampler_i))
     smpl = L.llama_sampler_init(iface, None)
     return smpl or None
 

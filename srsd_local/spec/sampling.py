@@ -203,7 +203,7 @@ def _first_allowed(ids: np.ndarray, allowed: Constraint) -> int | None:
     return int(ids[int(np.argmax(ok))]) if ok.any() else None
 
 
-def best_allowed(x: np.ndarray, allowed: Constraint) -> int:
+def best_allowed(x: np.ndarray, allowed: Constraint, top: int | None = None) -> int:
     """The highest-logit token the constraint admits (ties: the lowest id). The candidates
     are checked best first in growing chunks: the top token alone (the usual case: one
     check), then the tokens within BAND logits of it (their 16 best, their 256 best); then,
@@ -211,8 +211,10 @@ def best_allowed(x: np.ndarray, allowed: Constraint) -> int:
     256, 4096, 65536 best and the rest of it; else the rest of the band (at most its
     MAX_BAND best, ties included), then the rest of the vocabulary: its 4096 best, its 65536
     best, all of it (only the chunk at hand is sorted: a stable sort of a 262k vocabulary
-    costs ~25 ms)."""
-    top = int(np.argmax(x))
+    costs ~25 ms). `top`: x's argmax where it is known already (taken in llama.cpp's
+    graph)."""
+    if top is None:
+        top = int(np.argmax(x))
     if allowed.mask(np.asarray([top], dtype=np.int32))[0]:
         return top
     m = x[top]
@@ -294,10 +296,12 @@ class ConstrainedSampler(Sampler):
         super().__init__(params, threads)
         self.constraint = constraint
 
-    def __call__(self, logits: np.ndarray) -> int:
+    def __call__(self, logits: np.ndarray, top: int | None = None) -> int:
+        """The token drawn from a logits row; `top`: the row's argmax where it is known
+        already (greedy: often the answer, with one check of the grammar)."""
         x = np.asarray(logits, dtype=np.float32).reshape(-1)
         c = self.constraint
-        best = best_allowed(x, c)
+        best = best_allowed(x, c, top)
         if self.params.greedy:
             tok = best
         else:
