@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from srsd_local.bench.workloads import load_workload
+from srsd_local.llama import grammar
 from srsd_local.llama.grammar import ConstraintSpec, GrammarError
 
 pytestmark = pytest.mark.model
@@ -306,7 +307,6 @@ def test_token_lead_bytes_are_read_back_from_the_cache_once_scanned(engine, monk
     from llama.cpp once per model file and read back from the cache directory after that;
     a stored file of another shape is scanned again."""
     from srsd_local import store  # noqa: PLC0415
-    from srsd_local.llama import grammar  # noqa: PLC0415
 
     be = engine.backend
     monkeypatch.delattr(be, "_grammar_lead_bytes", raising=False)
@@ -338,11 +338,17 @@ def test_token_lead_bytes_are_read_back_from_the_cache_once_scanned(engine, monk
     assert np.load(target)["lead"].shape == (be.n_vocab, 2)
 
 
-def test_pruning_a_drafted_tree_checks_every_path_and_leaves_the_state_alone(engine):
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_pruning_a_drafted_tree_checks_every_path_and_leaves_the_state_alone(engine, compiled,
+                                                                            monkeypatch):
     """GrammarState.prune (drafted nodes checked along their paths; a node's state handed on
     to its last admitted child instead of cloned) keeps exactly the nodes a fresh state
     accepts token by token along each path, returns each kept leaf's state as that walk
-    leaves it, and does not advance the state it is called on."""
+    leaves it, and does not advance the state it is called on: in one compiled call and
+    from Python (where no C compiler is there) alike."""
+    assert grammar._compiled() is not None  # (the test machine has a compiler)
+    if not compiled:
+        monkeypatch.setattr(grammar, "_compiled", lambda: None)
     p = JSON_PROMPTS[0]
     out = engine.generate(p.prompt, max_tokens=40, mode="ar", json_schema=p.json_schema)
     toks = out.token_ids
@@ -422,3 +428,27 @@ def test_states_of_one_grammar_mask_through_one_buffer_per_thread(engine):
     t.start()
     t.join()
     assert np.array_equal(got[3], full[3]) and np.array_equal(got[1], full[1])
+
+
+def test_forced_text_is_the_same_compiled_and_from_python(engine):
+    """What the grammar forces (its characters while it admits one, optional whitespace as
+    the output writes it) is found in one compiled call from a SpaceStyle, and the same
+    from Python with the style's function, at every position of outputs (a schema's keys,
+    punctuation, free strings and numbers), after every kind of previous character, with a
+    style that learned other spacing."""
+    assert grammar._compiled() is not None
+    forced = 0
+    for p in JSON_PROMPTS[:2]:
+        out = engine.generate(p.prompt, max_tokens=48, mode="ar", json_schema=p.json_schema)
+        styles = [grammar.SpaceStyle(), grammar.SpaceStyle()]
+        styles[1].feed('{"a":1,"b":[2,3] }')  # no space after ':' or ',', one after ']'
+        assert not styles[1].space_after(":") and styles[1].space_after("]")
+        for state in _states_along(engine, out.token_ids, json_schema=p.json_schema):
+            for style in styles:
+                for prev in ("", ":", ",", "{", "a", "\u00e9"):
+                    for n in (1, 4, 24):
+                        got = state.forced_text(n, style, prev)
+                        assert got == state.forced_text(n, style.space_after, prev), (
+                            got, prev, n)
+                        forced += bool(got)
+    assert forced > 0  # some positions force text

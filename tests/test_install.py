@@ -22,7 +22,7 @@ def test_non_editable_install_ships_app_and_data(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     pkg = target / "srsd_local"
     for rel in ("app/server.py", "app/ui.py", "app/main.py", "llama/_capture.c",
-                "llama/_argmax.c", "bench/_cloop.c", "spec/_kernels.c",
+                "llama/_argmax.c", "llama/_grammar.c", "bench/_cloop.c", "spec/_kernels.c",
                 "data/default_calibration.json", "bench/workloads/code_edit.jsonl",
                 "bench/workloads/calibration.jsonl"):
         assert (pkg / rel).is_file(), rel

@@ -15,6 +15,10 @@ a value: tens of milliseconds before, about one now).
 `forced_text` finds what the grammar admits next when there is no choice (keys of a schema,
 punctuation, closing brackets): those characters are drafted, and verified like any draft;
 `Forcing` keeps one request's forced text and whitespace style across steps.
+
+`prune` (a drafted tree's check) and `forced_text` make dozens of calls into llama.cpp's
+grammar each; where a C compiler is there they are made from one compiled call
+(`_grammar.c`), else from Python.
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ import os
 import re
 import tempfile
 import threading
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
 from typing import Any
 
 import numpy as np
@@ -39,6 +46,36 @@ _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float3
 # characters probed for forced text: every printable ASCII character and the whitespace
 PROBE_CHARS = [chr(c) for c in range(32, 127)] + ["\n", "\t"]
 _STDERR_LOCK = threading.Lock()
+
+
+class _Fns(ctypes.Structure):
+    """`_grammar.c`'s `struct fns`: llama.cpp's sampler functions it calls."""
+
+    _fields_ = [("apply", ctypes.c_void_p), ("accept", ctypes.c_void_p),
+                ("clone", ctypes.c_void_p), ("release", ctypes.c_void_p)]
+
+
+@lru_cache(maxsize=1)
+def _compiled() -> tuple[Any, Any, Any] | None:
+    """(prune, forced, fns): `_grammar.c`'s functions and llama.cpp's functions for them, or
+    None where it cannot be built (then the checks are made from Python)."""
+    src = resources.files("srsd_local.llama").joinpath("_grammar.c").read_bytes()
+    lib = store.load_compiled("grammar", src, ((("-O2", "-march=native"), True),
+                                               (("-O2",), False)))
+    if lib is None:
+        return None
+    L = _llama()
+    fns = _Fns(*(ctypes.cast(getattr(L, f"llama_sampler_{name}"), ctypes.c_void_p).value
+                 for name in ("apply", "accept", "clone", "free")))
+    ptr = ctypes.c_void_p
+    prune = lib.srsd_grammar_prune
+    prune.argtypes = [ptr, ptr, ctypes.c_int32, ptr, ptr, ptr, ptr]
+    prune.restype = ctypes.c_int32
+    forced = lib.srsd_grammar_forced
+    forced.argtypes = [ptr, ptr, ctypes.c_int32, ptr, ptr, ctypes.c_int32, ptr,
+                       ctypes.c_int32, ptr, ctypes.c_int32, ptr, ctypes.c_int32, ptr]
+    forced.restype = ctypes.c_int32
+    return prune, forced, fns
 
 
 class GrammarError(ValueError):
@@ -178,6 +215,13 @@ class Constraint:
         # the whitespace probes: most of a vocabulary starts with a space, so for tokens
         # that start with one of these the second byte is checked too
         self.spaces = [(i, ord(c)) for i, c in enumerate(self.probe_chars) if c.isspace()]
+        # for the compiled forced_text: the probes' arrays (kept) and their addresses
+        self._forced_arrays = (np.ascontiguousarray(self.probe_ids, np.int32),
+                               np.ascontiguousarray(self.probe_bytes, np.uint8),
+                               np.ascontiguousarray(self.eog, np.int32),
+                               np.ascontiguousarray(self.sentinels, np.int32))
+        self.forced_args = tuple(a.ctypes.data if len(a) else None
+                                 for a in self._forced_arrays)
 
     def start(self) -> GrammarState:
         return self._root.clone()
@@ -373,13 +417,21 @@ class GrammarState:
         token its grammar rejects."""
         _llama().llama_sampler_accept(self._ptr, int(token))
 
-    def forced_text(self, max_chars: int, space_after: Callable[[str], bool],
+    def forced_text(self, max_chars: int, style: SpaceStyle | Callable[[str], bool],
                     prev: str = "") -> str:
         """The characters the grammar admits next when it admits one non-space character
-        (optional whitespace is drafted the way `space_after(previous char)` says the output
-        so far writes it); stops at a real choice or after max_chars."""
+        (optional whitespace is drafted the way `style` says the output so far writes it
+        after the previous character: a SpaceStyle, or a function of that character); stops
+        at a real choice or after max_chars."""
         owner = self.owner
         ids, chars = owner.probe_ids, owner.probe_chars
+        if isinstance(style, SpaceStyle):
+            fast = _compiled()
+            if fast is not None and max_chars > 0:
+                return self._forced_compiled(fast, max_chars, style, prev)
+            space_after = style.space_after
+        else:
+            space_after = style
         if not len(ids) or self.mask(owner.sentinels).sum() >= 2:
             return ""  # free text (a string, a number): nothing is forced
         n = len(ids)
@@ -407,6 +459,21 @@ class GrammarState:
             prev = c
         return "".join(out)
 
+    def _forced_compiled(self, fast: tuple, max_chars: int, style: SpaceStyle, prev: str
+                         ) -> str:
+        """`forced_text` in one compiled call (`_grammar.c`), whitespace as `style` writes it."""
+        _, forced, fns = fast
+        owner = self.owner
+        ids, chars, eog, sentinels = owner.forced_args
+        out = ctypes.create_string_buffer(max_chars)
+        got = forced(ctypes.addressof(fns), self._ptr, max_chars, ids, chars,
+                     len(owner.probe_chars), eog, len(owner.eog), sentinels,
+                     len(owner.sentinels), style.table_address, int(style.space_after(prev)),
+                     out)
+        if got < 0:
+            raise MemoryError("the grammar's forced text check ran out of memory")
+        return out.raw[:got].decode("ascii")
+
     def prune(self, tokens: Sequence[int], parents: Sequence[int]
               ) -> tuple[list[bool], dict[int, GrammarState]]:
         """For a token tree given as (tokens, parents; node 0 the root, already accepted in
@@ -415,6 +482,9 @@ class GrammarState:
         leaf. (A drafted node's state, not needed once its children are checked, becomes its
         last admitted child's: a chain clones one state, not one per node; this state itself
         is never advanced.)"""
+        fast = _compiled()
+        if fast is not None:
+            return self._prune_compiled(fast, tokens, parents)
         n = len(tokens)
         keep = [False] * n
         keep[0] = True
@@ -438,6 +508,22 @@ class GrammarState:
         leaves = {k: s for k, s in states.items() if k not in children and k != 0}
         return keep, leaves
 
+    def _prune_compiled(self, fast: tuple, tokens: Sequence[int], parents: Sequence[int]
+                        ) -> tuple[list[bool], dict[int, GrammarState]]:
+        """`prune` in one compiled call (`_grammar.c`)."""
+        prune, _, fns = fast
+        n = len(tokens)
+        tok, par = array("i", tokens), array("i", parents)
+        keep = array("B", bytes(n))
+        states = (ctypes.c_void_p * n)()
+        if prune(ctypes.addressof(fns), self._ptr, n, tok.buffer_info()[0],
+                 par.buffer_info()[0], keep.buffer_info()[0], states) != 0:
+            raise MemoryError("the grammar check of a drafted tree ran out of memory")
+        owner, kind = self.owner, _llama().llama_sampler_p_ctypes
+        leaves = {k: GrammarState(ctypes.cast(ptr, kind), owner)
+                  for k, ptr in enumerate(states) if ptr}
+        return keep.tolist(), leaves
+
 
 
 class SpaceStyle:
@@ -447,12 +533,18 @@ class SpaceStyle:
     def __init__(self) -> None:
         self.after: dict[str, bool] = {}
         self.last = ""  # the last character emitted
+        # space_after per byte value, for the compiled forced_text (ASCII characters)
+        self.table = (ctypes.c_uint8 * 256)()
+        self.table[ord(":")] = self.table[ord(",")] = 1
+        self.table_address = ctypes.addressof(self.table)
 
     def feed(self, text: str) -> None:
         t = self.last + text
         for a, b in zip(t, t[1:]):
             if not (a.isspace() or a.isalnum()):
                 self.after[a] = b == " "
+                if ord(a) < 128:
+                    self.table[ord(a)] = b == " "
         if t:
             self.last = t[-1]
 
@@ -479,10 +571,9 @@ class Forcing:
         """What the grammar forces next: the text left from the last step, found anew when
         little of it is left."""
         if len(self.left) < self.max_chars // 4:
-            self.left = self.state.forced_text(self.max_chars, self.style.space_after,
-                                               self.style.last)
+            self.left = self.state.forced_text(self.max_chars, self.style, self.style.last)
         return self.left
 
     def after(self, state: GrammarState, prev: str) -> str:
         """What the grammar forces at `state`, a drafted branch ending in character `prev`."""
-        return state.forced_text(self.max_chars // 4, self.style.space_after, prev)
+        return state.forced_text(self.max_chars // 4, self.style, prev)
