@@ -127,8 +127,12 @@ class FakeBackend:
     graph_seqs: frozenset = frozenset()  # no in-graph sampling here
     graph_sampling = False
 
-    def sample_main(self, seq: int, on: bool, keep: bool = False) -> bool:
+    def sample_main(self, seq: int, on: bool, keep: bool = False,
+                    draw: float | None = None) -> bool:
         return False
+
+    def draw_state(self, seq: int):
+        return None
 
     def keep_rows(self, seqs, on: bool) -> bool:
         return not on

@@ -109,9 +109,11 @@ def test_a_prompt_whose_window_lost_cells_is_decoded_again(two):
     be.seq_trim(spare, 0)  # cells 0..99 free again: the caches look for room from there
     # 300 more tokens: the sliding-window cache takes cells 0..99, then the slot's own
     # cells of positions 0..188 (outside the window of position 700) before the empty ones
-    # (sampled: a greedy request's last prompt chunk also goes on a branch id, which would
-    # hold those cells too, and a cell two sequences hold is not taken)
-    two.generate(first + toks[700:1000], max_tokens=1, mode="ar", temperature=0.7, seed=1)
+    # (sampled with a top-k: the last prompt chunk of a request sampled in llama.cpp's
+    # graph, greedy or at a temperature alone, also goes on a branch id, which would hold
+    # those cells too, and a cell two sequences hold is not taken)
+    two.generate(first + toks[700:1000], max_tokens=1, mode="ar", temperature=0.7, top_k=40,
+                 seed=1)
     assert max(two.slots, key=lambda s: s.last_used) is slot
     assert be._L.llama_memory_seq_pos_min(be.mem, slot.base) > 0  # its window lost them
     prompt = first[:40] + toks[1200:1400]  # shares 40 tokens with the slot

@@ -349,3 +349,29 @@ def test_a_greedy_request_is_sampled_in_graph_on_its_main_sequence(model_path, m
         assert all(-50.0 < e.logprob <= 0.0 for e in lp.logprobs)
     finally:
         eng.close()
+
+
+def test_sampled_plain_steps_are_drawn_in_the_graph_as_the_host_draws(graph_engine,
+                                                                      monkeypatch):
+    """A request sampled at a temperature alone has its plain steps' tokens drawn in
+    llama.cpp's graph, by the host's compiled draw with the uniform draw the host would
+    take: the same tokens as drawing on the host, position by position; its trees are
+    drawn on the host from rows kept on the sampled branch ids."""
+    from srsd_local.spec.sampling import Sampler
+
+    be = graph_engine.backend
+
+    def drawn_rows():  # rows drawn in the graph by the slots' main sequences' samplers
+        states = [be.draw_state(q) for q in range(graph_engine.config.seq_max)]
+        return [st.rows for st in states if st is not None]
+
+    prompt = load_workload("open")[0]
+    kw = {"max_tokens": 48, "temperature": 0.8, "seed": 11}
+    drawn = graph_engine.generate(prompt.prompt, mode="ar", **kw)
+    assert max(drawn_rows()) >= len(drawn.token_ids) - 1
+    tree = graph_engine.generate(EDIT.prompt, mode="srsd", **kw)
+    assert tree.stats.drafts > 0 and len(tree.token_ids) == 48
+    monkeypatch.setattr(Sampler, "drawn_compiled", property(lambda self: False))
+    host = graph_engine.generate(prompt.prompt, mode="ar", **kw)
+    assert drawn.token_ids == host.token_ids
+    assert len(set(drawn.token_ids)) > 10  # a sampled text, not one token repeated

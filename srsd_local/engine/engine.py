@@ -817,17 +817,25 @@ class Engine:
         # generation (its recording holds no such rows)
         kept = (be.graph_sampling and type(sampler) is ConstrainedSampler and
                 sampler.params.greedy and n_lp is None and be.replay is None)
+        # sampled at a temperature alone (the compiled draw): plain steps drawn in the graph
+        # with the uniform draw the host would use (`draw`: see sample_main), trees on the
+        # sampled branch ids with their rows kept, drawn on the host
+        draw = (be.graph_sampling and type(sampler) is Sampler and sampler.drawn_compiled
+                and n_lp is None and be.replay is None)
         # a tree of several branches sampled in the graph lives on the slot's sampled
         # branch ids
         branches = self.config.graph_branch_base(slot.base // (self.config.max_branches + 1))
         if be.graph_sampling and not be.keep_rows(
-                range(branches, branches + self.config.max_branches), kept):
-            kept = False  # (llama.cpp refused: those ids are back to their argmax alone)
+                range(branches, branches + self.config.max_branches), kept or draw):
+            kept = draw = False  # (llama.cpp refused: those ids are back to their argmax)
         in_graph = in_graph or kept
         # the slot's main sequence is then sampled in the graph: plain steps and chains come
         # back as token ids (a tree's rows on its other branches are copied out)
-        main_graph = be.sample_main(slot.base, in_graph, keep=kept)
-        graph_first = branches if in_graph else slot.base
+        main_graph = be.sample_main(slot.base, in_graph or draw, keep=kept,
+                                    draw=sampler.params.temperature if draw else None)
+        drawing = be.draw_state(slot.base) if draw and main_graph else None
+        draw = drawing is not None
+        graph_first = branches if in_graph or draw else slot.base
 
         # 1. prefill
         t0 = time.perf_counter()
@@ -900,10 +908,16 @@ class Engine:
                          self.speculator.indexes(req))
                 if w.capture:  # its row straight into the index
                     w.stage = slot.index.stage_address()
+                if draw:  # the draw this row takes, drawn now
+                    drawing.u = sampler.uniform()
                 yield w
                 got = w.sampled  # (in a batch with other requests: -1 for this row
                 path, path_tokens = [0], [x]  # where this request's rows are not sampled)
-                if got is None or got[0] < 0:
+                if draw:
+                    if got is None or got[0] < 0:
+                        raise DecodeError("llama.cpp's graph drew no token for a sampled row")
+                    y = int(got[0])
+                elif got is None or got[0] < 0:
                     y = sampler(w.logits[0])
                 else:  # (kept: the argmax checked against the grammar, else its row read)
                     y = sampler(w.logits[0], int(got[0])) if kept else int(got[0])
@@ -913,14 +927,16 @@ class Engine:
                 # (no fork), any other tree on the sampled branch ids (not on the main
                 # sequence and its unsampled branches: a row whose first sequence has a
                 # sampler and another has none gets neither its token nor its logits right)
-                chain = main_graph and lay.n_branches == 1
-                graph = in_graph and not chain
+                chain = main_graph and lay.n_branches == 1 and not draw
+                graph = (in_graph or draw) and not chain
                 first = graph_first if graph else slot.base
                 be.seq_fork(slot.base, lay.n_branches, first)
                 try:
                     w = _tree_work(lay, n, first, plan.pad, req.uses_index)
                     yield w
-                    if kept and (graph or chain):
+                    if draw:  # (rows kept on the sampled branch ids: drawn on the host)
+                        path, y = walk_tree(plan.tree, w.logits.__getitem__, sampler)
+                    elif kept and (graph or chain):
                         path, y = walk_tree(plan.tree, _node, _kept_draw(w, sampler))
                     elif graph or chain:
                         path, y = walk_tree(plan.tree, _graph_rows(w), int)

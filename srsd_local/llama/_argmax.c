@@ -301,6 +301,92 @@ static struct sampler_iface ifaces[4] = {
  * grammar that rejects it). */
 void *srsd_argmax_iface(int kind) { return &ifaces[kind & 3]; }
 
+/* A sampled request's draw in the graph (CPU): the token drawn from softmax(row / T) with a
+ * uniform u set before each pass, made by the very functions of spec/_kernels.c that draw
+ * on the host (passed in by srsd_draw_setup), so that the token is the one the host would
+ * draw from the same row and u: the row's blocks shared out among the decode's threads, then
+ * the pick on one. Only the token comes back. The sampler's ctx is a struct draw_state the
+ * caller owns. */
+typedef void (*blocks_fn)(const float *x, int64_t n, float inv_t, double *sums, int64_t b0,
+                          int64_t b1);
+typedef int64_t (*pick_fn)(const float *x, int64_t n, float inv_t, double u, double *sums);
+static blocks_fn draw_blocks;
+static pick_fn draw_pick;
+
+struct draw_state {
+    double u;       /* the uniform draw for the next pass's row */
+    float inv_t;    /* 1 / temperature */
+    int32_t rows;   /* rows drawn in a graph, ever */
+    double *sums;   /* scratch: n_sums doubles, 2 * (n / 512 + 1) for rows of n */
+    int64_t n_sums;
+};
+
+struct llama_sampler_head { /* llama.h's struct llama_sampler */
+    void *iface;
+    void *ctx;
+};
+
+void srsd_draw_setup(void *blocks, void *pick) {
+    draw_blocks = (blocks_fn)blocks;
+    draw_pick = (pick_fn)pick;
+}
+
+static bool draw_fits(const struct draw_state *st, int64_t n) {
+    return st->sums && st->n_sums >= 2 * (n / 512 + 1);
+}
+
+/* Thread ith of nth: its share of the row's blocks (dst->src[0]: the row). */
+static void draw_blocks_op(struct tensor *dst, int ith, int nth, void *userdata) {
+    struct draw_state *st = userdata;
+    const struct tensor *row = dst->src[0];
+    const int64_t n = row->ne[0], n_blocks = (n + 511) / 512;
+    if (!draw_fits(st, n)) return;
+    const int64_t share = (n_blocks + nth - 1) / nth, b0 = ith * share;
+    if (b0 < n_blocks) draw_blocks(row->data, n, st->inv_t, st->sums, b0, b0 + share);
+}
+
+/* One thread, after every share: the token (int32; -1 where the scratch is too small). */
+static void draw_pick_op(struct tensor *dst, int ith, int nth, void *userdata) {
+    (void)nth;
+    if (ith != 0) return;
+    struct draw_state *st = userdata;
+    const struct tensor *row = dst->src[0];
+    const int64_t n = row->ne[0];
+    int32_t tok = -1;
+    if (draw_fits(st, n)) tok = (int32_t)draw_pick(row->data, n, st->inv_t, st->u, st->sums);
+    *(int32_t *)dst->data = tok;
+    __atomic_fetch_add(&st->rows, 1, __ATOMIC_RELAXED);
+}
+
+static const char *draw_name(const struct llama_sampler *s) {
+    (void)s;
+    return "srsd-draw";
+}
+
+static void apply_draw(struct llama_sampler *s, struct ggml_context *ctx,
+                       struct ggml_cgraph *gf, struct sampler_data *data) {
+    (void)gf;
+    struct draw_state *st = ((struct llama_sampler_head *)s)->ctx;
+    bool direct;
+    struct tensor *row = unpadded(ctx, data->logits, &direct);
+    struct tensor *parts = custom_4d(ctx, TYPE_F32, 1, 1, 1, 1, &row, 1, draw_blocks_op,
+                                     ALL_THREADS, st);
+    struct tensor *args[2] = {row, parts};
+    data->sampled = custom_4d(ctx, TYPE_I32, 1, 1, 1, 1, args, 2, draw_pick_op, 1, st);
+    data->logits = NULL;
+}
+
+static bool draw_init(struct llama_sampler *s, void *buft, uint32_t n_outputs_max) {
+    (void)s, (void)buft, (void)n_outputs_max;
+    return custom_4d != NULL && draw_blocks != NULL && draw_pick != NULL;
+}
+
+static struct sampler_iface draw_iface = {
+    .name = draw_name, .apply = apply, .backend_init = draw_init, .backend_apply = apply_draw};
+
+/* The draw sampler's interface (CPU only: its ops run on the decode's threads). */
+void *srsd_draw_iface(void) { return &draw_iface; }
+
 /* After a llama_decode call: into out[k], the in-graph sampled token of batch row rows[k]
  * (-1 where rows[k] is -1), read with llama_get_sampled_token_ith (`get`); returns how many
  * were read. One call for a tree's rows instead of one call into llama.cpp per row. */

@@ -20,7 +20,14 @@ import numpy as np
 from ..config import SRSDConfig, environment
 from .capture import CompiledCapture, HiddenCapture, make_capture, resolve_layer
 from .cpubufs import cpu_features, use_extra_buffer_types
-from .graph_argmax import batch_filler, make_sampler, plain_stepper, sampled_reader
+from .graph_argmax import (
+    DrawState,
+    batch_filler,
+    make_draw_sampler,
+    make_sampler,
+    plain_stepper,
+    sampled_reader,
+)
 from .replay import PassReplay
 from .spm import SpmTokenizer
 
@@ -197,6 +204,8 @@ class Backend:
         self.graph_sampler = ""  # which sampler takes them (_attach_greedy), "" for none
         self.graph_sampling = False  # whether graph samplers are set up
         self._main_chains: dict[int, object] = {}  # sample_main: sequence -> its chain
+        self._main_kind: dict[int, tuple] = {}  # and what the chain does
+        self._draws: dict[int, list] = {}  # a drawing chain's state and scratch (kept alive)
         # sampled sequences whose rows are copied out as well (keep_rows, sample_main's
         # `keep`)
         self.kept_seqs: frozenset[int] = frozenset()
@@ -346,39 +355,61 @@ class Backend:
         L.llama_sampler_chain_add(chain, smpl or L.llama_sampler_init_greedy())
         return chain
 
-    def sample_main(self, seq: int, on: bool, keep: bool = False) -> bool:
+    def sample_main(self, seq: int, on: bool, keep: bool = False,
+                    draw: float | None = None) -> bool:
         """Take (`on`) or stop taking the argmax of sequence `seq`'s rows in llama.cpp's graph:
         for a slot's main sequence while it serves a greedy request that needs no logits, so
         that its plain steps and its chains' rows come back as token ids (no row copied out,
         no argmax on the host); with `keep`, rows copied out as well (a greedy request under
         a grammar: the argmax checked first, the row read where the grammar rejects it).
-        Only where graph sampling is set up (`graph_sampling`); the next pass after a change
-        re-plans llama.cpp's graph (a few milliseconds on a CPU). Returns whether the
-        sequence is sampled in the graph now."""
-        have = seq in self._main_chains
-        keep = keep and on
-        if (on == have and keep == (seq in self.kept_seqs)) or not self.graph_sampling:
-            return have
+        `draw` (a temperature, on a CPU): instead of the argmax, the row's token drawn at
+        that temperature with the uniform draw set in `draw_state(seq)` before each pass (a
+        sampled request's plain steps; None where it cannot be built). Only where graph
+        sampling is set up (`graph_sampling`); the next pass after a change re-plans
+        llama.cpp's graph (a few milliseconds on a CPU). Returns whether the sequence is
+        sampled in the graph now."""
+        if not self.graph_sampling:
+            return seq in self._main_chains
+        kind = (None if not on else ("draw", draw) if draw is not None else
+                ("kept",) if keep else ("argmax",))
+        if self._main_kind.get(seq) == kind:
+            return on
         L = self._L
-        if on:
-            chain = self._greedy_chain(keep)
-            old = self._main_chains.pop(seq, None)
-            ok = L.llama_set_sampler(self.ctx, seq, chain)
-            if old is not None:  # replaced, or dropped by the refusal: no longer the context's
-                L.llama_sampler_free(old)
-            if not ok:
+        chain = state = None
+        if kind is not None:
+            if draw is None:
+                chain = self._greedy_chain(keep)
+            elif self._output_on_cpu():
+                made = make_draw_sampler(L, draw, self.n_vocab)
+                if made is not None:
+                    smpl, *state = made
+                    chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
+                    L.llama_sampler_chain_add(chain, smpl)
+        old = self._main_chains.pop(seq, None)
+        ok = L.llama_set_sampler(self.ctx, seq, chain)  # (None: taken off)
+        if old is not None:  # replaced, taken off, or dropped by a refusal: not the context's
+            L.llama_sampler_free(old)
+        self._main_kind.pop(seq, None)
+        self._draws.pop(seq, None)  # (its chain is freed)
+        self.graph_seqs = self.graph_seqs - {seq}
+        self.kept_seqs = self.kept_seqs - {seq}
+        if chain is None or not ok:
+            if chain is not None:
                 L.llama_sampler_free(chain)
-                self.graph_seqs = self.graph_seqs - {seq}
-                self.kept_seqs = self.kept_seqs - {seq}
-                return False
-            self._main_chains[seq] = chain
-            self.graph_seqs = self.graph_seqs | {seq}
-        else:
-            L.llama_set_sampler(self.ctx, seq, None)
-            L.llama_sampler_free(self._main_chains.pop(seq))
-            self.graph_seqs = self.graph_seqs - {seq}
-        self.kept_seqs = self.kept_seqs | {seq} if keep else self.kept_seqs - {seq}
-        return on
+            return False
+        self._main_chains[seq], self._main_kind[seq] = chain, kind
+        self.graph_seqs = self.graph_seqs | {seq}
+        if keep:
+            self.kept_seqs = self.kept_seqs | {seq}
+        if state is not None:
+            self._draws[seq] = state
+        return True
+
+    def draw_state(self, seq: int) -> DrawState | None:
+        """The draw state of sequence `seq` when its rows are drawn in the graph
+        (`sample_main`'s `draw`): set its `u` before each pass."""
+        got = self._draws.get(seq)
+        return None if got is None else got[0]
 
     def keep_rows(self, seqs: Sequence[int], on: bool) -> bool:
         """Whether the rows of these sampled branch ids (set up with graph sampling) are

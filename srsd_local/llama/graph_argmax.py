@@ -87,6 +87,50 @@ def make_sampler(L, threads: bool, keep: bool = False) -> object | None:
     return smpl or None
 
 
+class DrawState(ctypes.Structure):
+    """`_argmax.c`'s `struct draw_state`: a draw sampler's uniform draw for the next pass,
+    its 1 / temperature, rows it drew, and its scratch."""
+
+    _fields_ = [("u", ctypes.c_double), ("inv_t", ctypes.c_float), ("rows", ctypes.c_int32),
+                ("sums", ctypes.c_void_p), ("n_sums", ctypes.c_int64)]
+
+
+@lru_cache(maxsize=1)
+def _draw_library() -> ctypes.CDLL | None:
+    """The compiled samplers with the draw set up (the host's compiled draw, spec/_kernels.c,
+    handed to them), or None where either cannot be built."""
+    from ..spec.kernels import library as kernels_library  # noqa: PLC0415
+
+    lib, kernels = library(), kernels_library()
+    if lib is None or kernels is None:
+        return None
+    lib.srsd_draw_setup.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.srsd_draw_setup.restype = None
+    lib.srsd_draw_iface.argtypes = []
+    lib.srsd_draw_iface.restype = ctypes.c_void_p
+    lib.srsd_draw_setup(ctypes.cast(kernels.srsd_temperature_blocks, ctypes.c_void_p).value,
+                        ctypes.cast(kernels.srsd_temperature_pick, ctypes.c_void_p).value)
+    return lib
+
+
+def make_draw_sampler(L, temperature: float, n_vocab: int
+                      ) -> tuple[object, DrawState, object] | None:
+    """(sampler, state, scratch): a new llama_sampler that draws a row's token at
+    `temperature` in llama.cpp's graph on the CPU's threads with the uniform draw
+    `state.u` set before each pass (the host's compiled draw, so the host's token for that
+    row and u), for a sampler chain; state and scratch must outlive it. None where it
+    cannot be built."""
+    lib = _draw_library()
+    if lib is None:
+        return None
+    scratch = (ctypes.c_double * (2 * (n_vocab // 512 + 1)))()
+    state = DrawState(u=0.0, inv_t=1.0 / max(temperature, 1e-6), rows=0,
+                      sums=ctypes.addressof(scratch), n_sums=len(scratch))
+    iface = ctypes.cast(lib.srsd_draw_iface(), ctypes.POINTER(L.llama_sampler_i))
+    smpl = L.llama_sampler_init(iface, ctypes.addressof(state))
+    return (smpl, state, scratch) if smpl else None
+
+
 def rows_sampled(direct: bool = False) -> int:
     """Rows whose argmax this sampler took in a graph, ever, in this process (`direct`: of
     those, the rows read from llama.cpp's logits tensor rather than its padded copy)."""

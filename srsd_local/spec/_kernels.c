@@ -69,29 +69,33 @@ static double block_sum(const float *x, int64_t lo, int64_t hi, float m, float i
     return s;
 }
 
-/* A token drawn with probability proportional to exp((x[i] - max x) / temperature), given
- * inv_t = 1 / temperature and u uniform in [0, 1): the first i whose cumulative weight
- * exceeds u times the total. One pass over the row from memory: each block's maximum, then
- * its weights relative to that maximum (the block is still in the first-level cache), then
- * the blocks' sums brought to the row's maximum in double (the blocks on `n_threads`
- * threads). `sums` holds 2 * (n / BLOCK + 1) doubles (scratch: the scaled sums, then the
- * blocks' maxima). */
-int64_t srsd_sample_temperature(const float *x, int64_t n, float inv_t, double u,
-                                double *sums, int n_threads) {
-    if (n <= 0) return -1;
+/* The draw below in two parts, so that llama.cpp's graph can make it too (its blocks on the
+ * decode's threads as custom ops, then the pick on one: see llama/_argmax.c), with these very
+ * functions and so the very same numbers. `sums` holds 2 * (n / BLOCK + 1) doubles (scratch:
+ * the scaled sums, then the blocks' maxima). */
+
+/* Blocks [b0, b1) of the row: each block's maximum, then its weights relative to that
+ * maximum summed (the block is still in the first-level cache). */
+void srsd_temperature_blocks(const float *x, int64_t n, float inv_t, double *sums,
+                             int64_t b0, int64_t b1) {
     const int64_t n_blocks = (n + BLOCK - 1) / BLOCK;
     double *maxes = sums + n_blocks;
-    /* the blocks are independent: shared out among n_threads threads where the build has
-     * OpenMP (the pool llama.cpp's CPU backend decodes with, idle between its passes); each
-     * block's results are the same whoever computes them */
-#pragma omp parallel for num_threads(n_threads) schedule(static) if (n_threads > 1)
-    for (int64_t b = 0; b < n_blocks; ++b) {
+    for (int64_t b = b0; b < b1 && b < n_blocks; ++b) {
         const int64_t lo = b * BLOCK, hi = lo + BLOCK < n ? lo + BLOCK : n;
         const float mb = row_max(x + lo, hi - lo);
         maxes[b] = mb;
         /* a block of -inf only weighs nothing (and -inf - -inf is not a number) */
         sums[b] = mb == -INFINITY ? 0.0 : block_sum(x, lo, hi, mb, inv_t);
     }
+}
+
+/* After every block's part: the blocks' sums brought to the row's maximum in double, and
+ * the first i whose cumulative weight exceeds u times the total. */
+int64_t srsd_temperature_pick(const float *x, int64_t n, float inv_t, double u,
+                              double *sums) {
+    if (n <= 0) return -1;
+    const int64_t n_blocks = (n + BLOCK - 1) / BLOCK;
+    const double *maxes = sums + n_blocks;
     float m = -INFINITY;
     for (int64_t b = 0; b < n_blocks; ++b) m = m > (float)maxes[b] ? m : (float)maxes[b];
     if (m == -INFINITY) return n - 1; /* nothing to draw from */
@@ -112,6 +116,22 @@ int64_t srsd_sample_temperature(const float *x, int64_t n, float inv_t, double u
         if (before > target) return i;
     }
     return hi - 1; /* rounding left the target at the block's very end */
+}
+
+/* A token drawn with probability proportional to exp((x[i] - max x) / temperature), given
+ * inv_t = 1 / temperature and u uniform in [0, 1): the first i whose cumulative weight
+ * exceeds u times the total. One pass over the row from memory (the two parts above, the
+ * blocks on `n_threads` threads). */
+int64_t srsd_sample_temperature(const float *x, int64_t n, float inv_t, double u,
+                                double *sums, int n_threads) {
+    if (n <= 0) return -1;
+    const int64_t n_blocks = (n + BLOCK - 1) / BLOCK;
+    /* the blocks are independent: shared out among n_threads threads where the build has
+     * OpenMP (the pool llama.cpp's CPU backend decodes with, idle between its passes); each
+     * block's results are the same whoever computes them */
+#pragma omp parallel for num_threads(n_threads) schedule(static) if (n_threads > 1)
+    for (int64_t b = 0; b < n_blocks; ++b) srsd_temperature_blocks(x, n, inv_t, sums, b, b + 1);
+    return srsd_temperature_pick(x, n, inv_t, u, sums);
 }
 
 /* x rounded to the nearest float16 value (ties to even), as float32; |x| < 65504. Normal

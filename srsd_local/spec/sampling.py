@@ -154,6 +154,18 @@ class Sampler:
         self._kernel = (temperature_kernel(params.temperature, threads)
                         if not params.greedy and _temperature_only(params) else None)
 
+    @property
+    def drawn_compiled(self) -> bool:
+        """Whether draws are the compiled kernel's (sampling at a temperature alone): then a
+        row's token is a function of the row and `uniform()` alone, which llama.cpp's graph
+        can compute with the same kernel (see llama/graph_argmax.py)."""
+        return self._kernel is not None
+
+    def uniform(self) -> float:
+        """The uniform draw the next row's draw takes (consumed: the draw is then made
+        elsewhere, for that row)."""
+        return self.rng.random()
+
     def __call__(self, logits: np.ndarray) -> int:
         if self.params.greedy:  # (the method: fewer Python layers than np.argmax)
             return int(logits.argmax())
