@@ -28,9 +28,10 @@ def _add_model_args(p: argparse.ArgumentParser, calibrate_flag: bool = True) -> 
     graph = p.add_mutually_exclusive_group()
     graph.add_argument("--sample-in-graph", dest="sample_in_graph", action="store_true",
                        default=None,
-                       help="verify greedy trees with an in-graph greedy sampler (only token "
-                            "ids leave llama.cpp's graph, not every row's logits); default: "
-                            "on with GPU layers, off on a CPU")
+                       help="sample in llama.cpp's graph: greedy steps and trees (only token "
+                            "ids leave it, with the rows too under a grammar) and the plain "
+                            "steps of requests sampled at a temperature alone; default: on "
+                            "wherever the sequence ids allow it")
     graph.add_argument("--no-sample-in-graph", dest="sample_in_graph", action="store_false",
                        help="copy every tree row's logits out, also with GPU layers")
     _add_rpc_args(p)

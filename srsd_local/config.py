@@ -279,8 +279,9 @@ class SRSDConfig:
 
     @property
     def graph_sampling(self) -> bool:
-        """Whether greedy requests are sampled in llama.cpp's graph: `sample_in_graph`, or
-        for None, where there are sequence ids to spare."""
+        """Whether requests are sampled in llama.cpp's graph (greedy ones, and the plain steps
+        of those sampled at a temperature alone): `sample_in_graph`, or for None, where there
+        are sequence ids to spare."""
         if self.sample_in_graph is not None:
             return self.sample_in_graph
         need = self.graph_branch_base(self.slots)
