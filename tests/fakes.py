@@ -126,6 +126,7 @@ class FakeBackend:
     # sequence-explicit KV operations (the engine's slots)
     graph_seqs: frozenset = frozenset()  # no in-graph sampling here
     graph_sampling = False
+    can_draw = False
 
     def sample_main(self, seq: int, on: bool, keep: bool = False,
                     draw: float | None = None) -> bool:

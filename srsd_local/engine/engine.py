@@ -45,12 +45,14 @@ from ..llama import omp
 from ..llama.backend import Backend, ContextFullError, DecodeError
 from ..llama.chat import render_chat
 from ..llama.grammar import Constraint, ConstraintSpec, Forcing, GrammarState
+from ..llama.graph_argmax import provide_draw
 from ..llama.models import resolve_model
 from ..llama.tools import tool_style
 from ..spec.acceptance import AcceptanceModel
 from ..spec.cost import CostModel
 from ..spec.draft import GRAMMAR, DraftInput
 from ..spec.index import VectorIndex
+from ..spec.kernels import draw_functions
 from ..spec.sampling import (
     MAX_TOP_LOGPROBS,
     ConstrainedSampler,
@@ -103,6 +105,10 @@ class Engine:
         self.backend = backend
         self.config = config
         self.speculator = Speculator(config, cost, acceptance)
+        if backend.graph_sampling:  # the host's draw, for draws in llama.cpp's graph
+            fns = draw_functions()
+            if fns is not None:
+                provide_draw(*fns)
         n_slots = config.slots
         per_slot = backend.n_ctx // n_slots
         self.slots = [Slot(i * (config.max_branches + 1), per_slot, backend.n_embd,
@@ -820,8 +826,8 @@ class Engine:
         # sampled at a temperature alone (the compiled draw): plain steps drawn in the graph
         # with the uniform draw the host would use (`draw`: see sample_main), trees on the
         # sampled branch ids with their rows kept, drawn on the host
-        draw = (be.graph_sampling and type(sampler) is Sampler and sampler.drawn_compiled
-                and n_lp is None and be.replay is None)
+        draw = (type(sampler) is Sampler and sampler.drawn_compiled and n_lp is None and
+                be.replay is None and be.can_draw)
         # a tree of several branches sampled in the graph lives on the slot's sampled
         # branch ids
         branches = self.config.graph_branch_base(slot.base // (self.config.max_branches + 1))

@@ -23,6 +23,7 @@ from .cpubufs import cpu_features, use_extra_buffer_types
 from .graph_argmax import (
     DrawState,
     batch_filler,
+    draws_available,
     make_draw_sampler,
     make_sampler,
     plain_stepper,
@@ -301,6 +302,12 @@ class Backend:
         except BaseException:
             self.close()
             raise
+
+    @property
+    def can_draw(self) -> bool:
+        """Whether a sampled request's rows can be drawn in llama.cpp's graph here (graph
+        sampling set up, logits computed on the CPU, the draw samplers built)."""
+        return self.graph_sampling and self._output_on_cpu() and draws_available()
 
     @property
     def sample_threads(self) -> int:

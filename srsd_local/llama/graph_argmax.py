@@ -95,22 +95,28 @@ class DrawState(ctypes.Structure):
                 ("sums", ctypes.c_void_p), ("n_sums", ctypes.c_int64)]
 
 
-@lru_cache(maxsize=1)
-def _draw_library() -> ctypes.CDLL | None:
-    """The compiled samplers with the draw set up (the host's compiled draw, spec/_kernels.c,
-    handed to them), or None where either cannot be built."""
-    from ..spec.kernels import library as kernels_library  # noqa: PLC0415
+_DRAW: list[tuple[int, int]] = []  # the host's draw functions, once given (provide_draw)
 
-    lib, kernels = library(), kernels_library()
-    if lib is None or kernels is None:
-        return None
+
+def provide_draw(blocks: int, pick: int) -> None:
+    """The host's compiled draw (spec/_kernels.c's `srsd_temperature_blocks` and
+    `srsd_temperature_pick`, as addresses), which draw samplers make in the graph: given by
+    the engine (this layer does not import the samplers' code). Once; a no-op without a
+    build."""
+    lib = library()
+    if lib is None or _DRAW:
+        return
     lib.srsd_draw_setup.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.srsd_draw_setup.restype = None
     lib.srsd_draw_iface.argtypes = []
     lib.srsd_draw_iface.restype = ctypes.c_void_p
-    lib.srsd_draw_setup(ctypes.cast(kernels.srsd_temperature_blocks, ctypes.c_void_p).value,
-                        ctypes.cast(kernels.srsd_temperature_pick, ctypes.c_void_p).value)
-    return lib
+    lib.srsd_draw_setup(blocks, pick)
+    _DRAW.append((blocks, pick))
+
+
+def draws_available() -> bool:
+    """Whether draw samplers can be built here (a build, and the host's draw given)."""
+    return bool(_DRAW)
 
 
 def make_draw_sampler(L, temperature: float, n_vocab: int
@@ -120,8 +126,8 @@ def make_draw_sampler(L, temperature: float, n_vocab: int
     `state.u` set before each pass (the host's compiled draw, so the host's token for that
     row and u), for a sampler chain; state and scratch must outlive it. None where it
     cannot be built."""
-    lib = _draw_library()
-    if lib is None:
+    lib = library()
+    if lib is None or not _DRAW:
         return None
     scratch = (ctypes.c_double * (2 * (n_vocab // 512 + 1)))()
     state = DrawState(u=0.0, inv_t=1.0 / max(temperature, 1e-6), rows=0,

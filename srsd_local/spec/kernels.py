@@ -127,6 +127,17 @@ class TemperatureKernel:
                            self.threads_for(n)))
 
 
+def draw_functions() -> tuple[int, int] | None:
+    """The addresses of the compiled draw's two parts (`srsd_temperature_blocks`,
+    `srsd_temperature_pick`), for a draw made in llama.cpp's graph with the very same code
+    (see llama/graph_argmax.py), or None without a build."""
+    lib = library()
+    if lib is None:
+        return None
+    return (ctypes.cast(lib.srsd_temperature_blocks, ctypes.c_void_p).value,
+            ctypes.cast(lib.srsd_temperature_pick, ctypes.c_void_p).value)
+
+
 def temperature_kernel(temperature: float, threads: int = 1) -> TemperatureKernel | None:
     """The compiled draw at `temperature` on up to `threads` threads (the decode's thread
     count: those cores are idle while a row is sampled), or None without a build."""
