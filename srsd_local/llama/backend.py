@@ -721,12 +721,17 @@ class Backend:
         if not addr:
             raise DecodeError("llama.cpp returned no logits for a row sampled in its graph "
                               "with its row kept")
-        key = (addr - at[1] * self.n_vocab * 4, n_out)
+        return self._rows_at(addr - at[1] * self.n_vocab * 4, n_out)
+
+    def _rows_at(self, address: int, n_out: int) -> np.ndarray:
+        """n_out rows of n_vocab float32 values at `address` (llama.cpp's buffer) as an array
+        view, cached per address and row count."""
+        key = (address, n_out)
         view = self._views.get(key)
         if view is None:
             if len(self._views) > 64:
                 self._views.clear()
-            buf = (ctypes.c_float * (n_out * self.n_vocab)).from_address(key[0])
+            buf = (ctypes.c_float * (n_out * self.n_vocab)).from_address(address)
             view = self._views[key] = np.frombuffer(buf, np.float32).reshape(n_out,
                                                                              self.n_vocab)
         return view
@@ -855,17 +860,10 @@ class Backend:
         rep = self.replay
         if rep is not None and rep.serving:
             return rep.logits
-        key = (_get_logits_address(self._L, self.ctx), n_out)
-        view = self._views.get(key)
-        if view is None:
-            if not key[0]:
-                raise DecodeError("llama.cpp returned no logits for the last decode")
-            if len(self._views) > 64:
-                self._views.clear()
-            buf = (ctypes.c_float * (n_out * self.n_vocab)).from_address(key[0])
-            view = self._views[key] = np.frombuffer(buf, np.float32).reshape(n_out,
-                                                                             self.n_vocab)
-        return view
+        address = _get_logits_address(self._L, self.ctx)
+        if not address:
+            raise DecodeError("llama.cpp returned no logits for the last decode")
+        return self._rows_at(address, n_out)
 
     def _fill(self, toks: np.ndarray, pos: np.ndarray, seq_ids, flags: np.ndarray) -> None:
         m = len(toks)
