@@ -1003,11 +1003,17 @@ class Backend:
         drop the rest the pass wrote. The branch ids keep the cells before `start`. Other
         sequences (other slots) are untouched."""
         L, mem = self._L, self.mem
+        # (each of these calls scans every cell of the cache: no call that would change
+        # nothing is made)
         if winner != base:  # (the raw calls: the branch ids still hold the tree's cells)
-            self._check_rm(L.llama_memory_seq_rm(mem, base, start, -1), base, start)
-            L.llama_memory_seq_cp(mem, winner, base, start, -1)
+            if first is None or first == base:  # base holds branch 0's cells: they go
+                self._check_rm(L.llama_memory_seq_rm(mem, base, start, -1), base, start)
+            # (else the tree was all on other ids: base holds nothing from `start`)
+            L.llama_memory_seq_cp(mem, winner, base, start, keep_until)  # the accepted
         self._drop_tree(base, n_branches, start, first)
-        self._check_rm(L.llama_memory_seq_rm(mem, base, keep_until, -1), base, keep_until)
+        if winner == base:  # its cells past the accepted ones go
+            self._check_rm(L.llama_memory_seq_rm(mem, base, keep_until, -1), base,
+                           keep_until)
 
     def _drop_tree(self, base: int, n_branches: int, start: int, first: int | None) -> None:
         """The cells of a tree pass from `start` dropped from its branch ids (not `base`)."""
