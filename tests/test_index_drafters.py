@@ -149,6 +149,51 @@ def test_rows_written_at_the_stage_address_are_indexed_like_rows_added():
     with pytest.raises(ValueError, match="full"):
         full.add_staged(1)
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_paths_rows_are_indexed_like_the_same_rows_added(compiled):
+    # a tree step indexes the rows of its accepted path (node indices into the pass's rows,
+    # a chain's first nodes or a path through branches): the index holds what `add` of
+    # those rows would, across the pending rows filling up and being stored, searches in
+    # between and growth past the first buffers; each returned row is the path's last row
+    from srsd_local.spec.index import MAX_PENDING
+
+    rng = np.random.default_rng(11)
+    x = _data(1400, seed=4) + 0.5
+    added, paths = VectorIndex(32, 1500, "numpy"), VectorIndex(32, 1500, "numpy")
+    if compiled:
+        assert paths._stage_path is not None, "the kernels' build is missing"
+    else:
+        paths._stage_path = None
+    added.add(x[:30], 0)
+    paths.add(x[:30], 0)
+    pos, steps = 30, 0
+    while pos < 1400:
+        k = min(int(rng.integers(1, 20)), 1400 - pos)
+        rows = rng.normal(size=(k + 12, 32)).astype(np.float32)  # the pass's rows
+        path = sorted(rng.choice(np.arange(1, k + 12), size=k - 1, replace=False).tolist())
+        path = [0, *path] if steps % 2 else list(range(k))  # through branches / a chain
+        rows[path] = x[pos: pos + k]
+        added.add(x[pos: pos + k], pos)
+        row = paths.add_path(rows, path, pos)
+        rows[:] = -9.0  # the pass's buffer is overwritten by the next pass
+        assert np.array_equal(row, x[pos + k - 1])
+        assert paths._staged <= MAX_PENDING
+        pos, steps = pos + k, steps + 1
+        if steps % 9 == 0:  # a search stores what is waiting (both indexes)
+            a, b = paths.search(x[pos - 3], 4), added.search(x[pos - 3], 4)
+            assert a.positions.tolist() == b.positions.tolist()
+    paths._flush()
+    added._flush()
+    assert len(paths) == len(added) == 1400
+    assert np.array_equal(paths._buf[:1400], added._buf[:1400])
+    assert np.array_equal(paths._pos[:1400], added._pos[:1400])
+    assert np.array_equal(paths._row_of[:1400], added._row_of[:1400])
+    full = VectorIndex(32, 3, "numpy")
+    full.add(x[:2], 0)
+    with pytest.raises(ValueError, match="full"):
+        full.add_path(np.zeros((4, 32), np.float32), [0, 2], 2)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_copied_index_has_buffers_of_its_own(backend):
     # a copy (copy.deepcopy, pickle) of an index with rows waiting and searches behind it

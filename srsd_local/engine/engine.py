@@ -965,12 +965,8 @@ class Engine:
             if w.staged:  # a plain step's row, in the index's pending rows already
                 slot.last_hidden = slot.index.add_staged(n)
             elif req.uses_index and w.hidden is not None:  # (the rows are this step's own,
-                # a tree's a view of the capture's buffer; a path through the tree's first
-                # nodes, as a chain's always is: a view)
-                k = len(path)
-                rows = w.hidden[:k] if path[-1] == k - 1 else w.hidden[path]
-                last = slot.index.add(rows, n)  # (the last row's copy in the index)
-                slot.last_hidden = rows[-1].copy() if last is None else last
+                # a tree's a view of the capture's buffer; the last row's copy in the index)
+                slot.last_hidden = slot.index.add_path(w.hidden, path, n)
             self.speculator.observe(req, plan, path)
             td = time.perf_counter()
             host = (td - t_end) - w.decode_seconds - (job.outside - out_end)

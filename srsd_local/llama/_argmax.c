@@ -465,8 +465,10 @@ struct step {
     char **cap_buf;
     int64_t n_embd;
     double seconds; /* out: llama_decode and llama_synchronize */
-    int32_t token;  /* out: the row's in-graph sampled token (want_sampled), else -1 */
+    int32_t token;  /* out: the row's in-graph sampled token (want_sampled), else -1;
+                     * srsd_step_rows: how many rows' tokens were read */
     int32_t staged; /* out: whether the captured row was copied to `stage` */
+    double read_seconds; /* out (srsd_step_rows): reading the sampled tokens */
 };
 
 static double now(void) {
@@ -502,5 +504,37 @@ int32_t srsd_step_one(struct step *s, int32_t token, int32_t pos, int32_t seq,
         memcpy(stage, *s->cap_buf, (size_t)s->n_embd * sizeof(float));
         s->staged = 1;
     }
+    return rc;
+}
+
+/* A batch's pass in one call, its rows filled already (srsd_fill_batch): the compiled
+ * capture emptied (its on/off switch is left as set), llama_decode and llama_synchronize
+ * (timed: s->seconds), then into out[k] the in-graph sampled token of batch row rows[k] (-1
+ * where rows[k] is -1; s->token: how many were read; s->read_seconds: the time that took).
+ * For a tree's pass what took three calls into llama.cpp through ctypes, two clock reads
+ * and the capture's fields written one by one, each slow on the caches the pass flushed. */
+int32_t srsd_step_rows(struct step *s, const int32_t *rows, int64_t n_rows, int32_t *out) {
+    if (s->cap_enabled) {
+        *s->cap_used = 0;
+        *s->cap_rows = 0;
+        *s->cap_overflow = 0;
+    }
+    const double t0 = now();
+    const int32_t rc = s->decode(s->ctx, *s->batch);
+    if (rc == 0) s->sync(s->ctx);
+    const double t1 = now();
+    s->seconds = t1 - t0;
+    s->token = 0;
+    s->read_seconds = 0.0;
+    if (rc != 0) return rc;
+    for (int64_t k = 0; k < n_rows; ++k) {
+        if (rows[k] >= 0) {
+            out[k] = s->sampled(s->ctx, rows[k]);
+            ++s->token;
+        } else {
+            out[k] = -1;
+        }
+    }
+    s->read_seconds = now() - t1;
     return rc;
 }

@@ -27,6 +27,7 @@ from .graph_argmax import (
     make_draw_sampler,
     make_sampler,
     plain_stepper,
+    rows_stepper,
     sampled_reader,
 )
 from .replay import PassReplay
@@ -282,6 +283,8 @@ class Backend:
                 L, self.ctx, self._batch, None if self.capture is None else self.capture.state,
                 self.n_embd)
             self._stepper, self._step_state = stepper or (None, None)
+            # ... and a pass whose rows' sampled tokens are read (a tree's), likewise
+            self._rows_step = None if stepper is None else rows_stepper(self._step_state)
             # the plain step writes its one token, and every step its rows' sequence ids,
             # through ctypes pointers (fewer calls into numpy on caches a forward pass just
             # flushed)
@@ -659,13 +662,19 @@ class Backend:
         # a sampled row copied out as well: where the copied rows are found
         kept = (self._first_kept(ids, self._b_logits[:m] if flags is None else flags)
                 if plan is not None and self.kept_seqs else None)
-        if self.capture is not None:
-            self.capture.reset()
-        self._decode_batch(m)
         raw, sampled, some = True, None, False
-        if plan is not None:
-            raw, got, some = self._sampled(plan)
-            sampled = got if last or type(got) is array else got.copy()  # (a reused buffer)
+        if plan is not None and self._rows_step is not None and self.replay is None:
+            raw, rows = plan  # the pass and the reading of its sampled tokens in one call
+            some = self._decode_sampled(m, rows)
+            sampled = self._tokens_buf[: len(rows)]  # (an array's slice: a copy)
+        else:
+            if self.capture is not None:
+                self.capture.reset()
+            self._decode_batch(m)
+            if plan is not None:
+                raw, got, some = self._sampled(plan)
+                sampled = got if last or type(got) is array else got.copy()  # (a reused
+                # buffer)
         logits = None
         if n_out and raw:  # a view of llama.cpp's buffer: the next call overwrites it
             view = self._logits(n_out)
@@ -898,6 +907,21 @@ class Backend:
                 rep.record(self, m, dt)
             return
         self._decode_failed(rc, m)
+
+    def _decode_sampled(self, m: int, rows: array) -> bool:
+        """`_decode_batch(m)` then `_read_sampled(rows, self._tokens_buf)` in one compiled
+        call (`_rows_step`); whether any row was sampled. Timed as a llama_decode through
+        ctypes is (around the call: the return into Python counts as the pass's), less the
+        reading of the tokens, which counts as the host's, as it does elsewhere."""
+        st = self._step_state
+        t0 = time.perf_counter()
+        rc = self._rows_step(rows.buffer_info()[0], len(rows), self._tokens_addr)
+        self.decode_seconds += time.perf_counter() - t0 - st.read_seconds
+        if rc != 0:
+            self._decode_failed(rc, m)
+        some = st.token
+        self.graph_rows += some
+        return some > 0
 
     def _decode_failed(self, rc: int, m: int) -> None:
         """Raise what llama_decode's return code `rc` for a batch of m tokens means."""

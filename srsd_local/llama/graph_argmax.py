@@ -51,6 +51,9 @@ def library() -> ctypes.CDLL | None:
     lib.srsd_fill_batch.restype = ctypes.c_int32
     lib.srsd_step_one.argtypes = [ctypes.c_void_p] + [ctypes.c_int32] * 5 + [ctypes.c_void_p]
     lib.srsd_step_one.restype = ctypes.c_int32
+    lib.srsd_step_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                   ctypes.c_void_p]
+    lib.srsd_step_rows.restype = ctypes.c_int32
     return lib
 
 
@@ -182,7 +185,8 @@ class StepState(ctypes.Structure):
                 ("cap_overflow", ctypes.c_void_p), ("cap_type", ctypes.c_void_p),
                 ("cap_ne0", ctypes.c_void_p), ("cap_buf", ctypes.c_void_p),
                 ("n_embd", ctypes.c_int64), ("seconds", ctypes.c_double),
-                ("token", ctypes.c_int32), ("staged", ctypes.c_int32)]
+                ("token", ctypes.c_int32), ("staged", ctypes.c_int32),
+                ("read_seconds", ctypes.c_double)]
 
 
 def plain_stepper(L, ctx, batch, capture_state=None, n_embd: int = 0):
@@ -216,3 +220,13 @@ def plain_stepper(L, ctx, batch, capture_state=None, n_embd: int = 0):
         st.cap_buf = base + kind.buf.offset
         st.n_embd = n_embd
     return partial(lib.srsd_step_one, ctypes.addressof(st)), st
+
+
+def rows_stepper(state: StepState):
+    """`step(rows, n_rows, out) -> rc` for the state of a `plain_stepper` (a partial of the
+    C function itself): a pass of the batch's rows as filled, in one compiled call: the
+    compiled capture emptied, llama_decode and llama_synchronize timed (`state.seconds`),
+    then into the int32 array at address `out` the in-graph sampled token of each batch row
+    in the int32 array at address `rows` (-1 for -1), how many were read in `state.token`,
+    the time that took in `state.read_seconds`. llama_decode's return code comes back."""
+    return partial(library().srsd_step_rows, ctypes.addressof(state))

@@ -169,6 +169,22 @@ void srsd_normalise_rows(const float *x, int64_t n, int64_t dim, const float *ce
     }
 }
 
+/* A decode's rows on an accepted path into the index's pending rows (see index.py,
+ * VectorIndex.add_path): rows path[0..k-1] of `hidden` (float32, dim values per row) copied
+ * one after the other to `stage` from its row `staged`; pos[n + i] = start + i (int64) and
+ * row_of[start + i] = n + i (int32). One call for what took numpy a dozen, each slow on the
+ * caches a forward pass has just flushed. */
+void srsd_index_stage(const float *hidden, const int32_t *path, int64_t k, int64_t dim,
+                      float *stage, int64_t staged, int64_t *pos, int64_t n,
+                      int32_t *row_of, int64_t start) {
+    for (int64_t i = 0; i < k; ++i) {
+        memcpy(stage + (staged + i) * dim, hidden + (int64_t)path[i] * dim,
+               (size_t)dim * sizeof(float));
+        pos[n + i] = start + i;
+        row_of[start + i] = (int32_t)(n + i);
+    }
+}
+
 /* The float16 bits of x, a value round_f16 gives (so exactly representable): normal values
  * re-biased from float32's exponent, subnormals (|x| < 2^-14) as their count of 2^-24. */
 static inline uint16_t f16_bits(float x) {

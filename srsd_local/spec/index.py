@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .kernels import array_address, normalise_kernel, retrieve_kernel
+from .kernels import array_address, normalise_kernel, retrieve_kernel, stage_kernel
 
 _GPU_TEMP_MEMORY = 64 << 20  # faiss reserves up to 1.5 GiB of scratch by default
 
@@ -116,7 +116,8 @@ class VectorIndex:
 
     # what refers to this index's own buffers by address, or to compiled code: made anew for
     # a copy (copy.deepcopy, pickle), which gets buffers of its own
-    _ATTACHED = ("_stage_at", "_stage_rows", "_kernel", "_retrieve", "_address", "_next_out",
+    _ATTACHED = ("_stage_at", "_stage_rows", "_kernel", "_retrieve", "_stage_path", "_address",
+                 "_next_out",
                  "_faiss_index", "_faiss_n", "_gpu_res", "_result_arrays")
 
     def _attach(self) -> None:
@@ -127,6 +128,7 @@ class VectorIndex:
         self._stage_rows = list(self._stage)
         self._kernel = normalise_kernel()  # None: numpy normalises
         self._retrieve = retrieve_kernel()  # None: search_next in numpy
+        self._stage_path = stage_kernel()  # None: add_path through add
         self._address = array_address()  # an array's data address, cheaply where it can
         self._next_out: tuple | None = None  # see _next_addresses
         self._faiss_index = None  # made, and filled from the buffer, when `search` needs it
@@ -310,6 +312,34 @@ class VectorIndex:
         self._stage[self._staged: self._staged + k] = x
         self._staged += k
         return self._stage_rows[self._staged - 1]
+
+    def add_path(self, rows: np.ndarray, path: list[int], start: int) -> np.ndarray:
+        """`add` of rows[path] (a decode's rows, the nodes of an accepted path of a tree)
+        for positions start, start + 1, ...; returns the last one's copy among the waiting
+        rows (a view, as `add`'s). In one compiled call where there is a build and `rows`
+        are contiguous float32 rows of this index (a tree pass's, a view of the capture's
+        buffer), else through `add`."""
+        k, fn = len(path), self._stage_path
+        if self._staged + k > MAX_PENDING:
+            self._flush()
+        n = self._n
+        if (fn is None or self.center is None or not 0 < k <= MAX_PENDING or
+                n + k > len(self._pos) or start + k > len(self._row_of) or
+                rows.dtype != np.float32 or rows.ndim != 2 or rows.shape[1] != self.dim or
+                not rows.flags.c_contiguous or max(path) >= len(rows) or min(path) < 0):
+            x = rows[:k] if path[-1] == k - 1 else rows[path]
+            last = self.add(x, start)
+            return x[-1].copy() if last is None else last
+        if n + k > self.capacity:
+            raise ValueError(f"index is full: {n} + {k} rows > capacity {self.capacity} "
+                             "(the context size)")
+        at, staged = array("i", path), self._staged
+        address = self._address
+        fn(address(rows), at.buffer_info()[0], k, self.dim, self._stage_at, staged,
+           address(self._pos), n, address(self._row_of), start)
+        self._n = n + k
+        self._staged = staged + k
+        return self._stage_rows[staged + k - 1]
 
     def stage_address(self) -> int:
         """The address of the float32 row (`dim` values) `add_staged` indexes next: the

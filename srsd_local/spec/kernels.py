@@ -67,6 +67,8 @@ def library() -> ctypes.CDLL | None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [p, i64, p, i64, p, p, i64, p, p, i64, ctypes.c_int32, p, i64,
                    ctypes.c_float, i64, p, p, p, i64, p]
+    lib.srsd_index_stage.argtypes = [p, p, i64, i64, p, i64, p, i64, p, i64]
+    lib.srsd_index_stage.restype = None
     lib.srsd_longest_repeat.argtypes = [ctypes.c_char_p, i64, i64, i64]
     lib.srsd_longest_repeat.restype = i64
     lib.srsd_set_array_data_offset.argtypes = [ctypes.c_long]
@@ -178,6 +180,13 @@ def retrieve_kernel():
     _kernels.c; see VectorIndex.search_next), or None without a build."""
     lib = library()
     return None if lib is None else lib.srsd_retrieve
+
+
+def stage_kernel():
+    """The index's rows of an accepted path staged in one compiled call (`srsd_index_stage`
+    in _kernels.c; see VectorIndex.add_path), or None without a build."""
+    lib = library()
+    return None if lib is None else lib.srsd_index_stage
 
 
 def repeat_kernel():
