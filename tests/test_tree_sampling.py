@@ -62,6 +62,24 @@ def test_a_trees_first_nodes_are_a_tree_of_their_own():
     assert len(t) == 7 and t.child(t.child(t.child(0, 1), 2), 8) is None
 
 
+@pytest.mark.parametrize("tokens,weight,agree,origin", [
+    ([5, 9, 5, 5, 2], 1.0, 8, 4), ([7], 0.7, 0, 1), ([], 0.5, 3, 2),
+    ([3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3], 0.89, -2, 16)])
+def test_a_chain_made_at_once_is_the_tree_an_insert_makes(tokens, weight, agree, origin):
+    # a copy run's chain is made list by list: every field, the children and the layout
+    # as inserting the same draft into a new tree gives them (repeated tokens included)
+    inserted = TokenTree(11)
+    inserted.insert(tokens, weight, agree, origin)
+    made = TokenTree.chain(11, tokens, weight, agree, origin)
+    for name in ("tokens", "parents", "depths", "weights", "counts", "agree", "origin"):
+        assert getattr(made, name) == getattr(inserted, name), name
+    assert made._children == inserted._children
+    assert [made.child(i, t) for i, t in enumerate(tokens)] == list(range(1, len(tokens) + 1))
+    a, b = made.layout(), inserted.layout()
+    assert a.seq_ids == b.seq_ids and a.leaf_branch == b.leaf_branch
+    assert list(a.tokens) == list(b.tokens) and list(a.depths) == list(b.depths)
+
+
 def test_prune_is_deterministic():
     t = TokenTree(0)
     for k in range(6):

@@ -888,7 +888,9 @@ class Engine:
                 # on: its chain, no drafting (not in one: nothing to slice or look up)
                 plan = self.speculator.follow(req, slot.ctx[:n], x, room,
                                               offset=job.batch_offset, gain=job.batch_gain)
-            if plan is not None or (room and forcing is None and self.speculator.skips(req)):
+            forced = forcing.next_text() if room and plan is None and forcing is not None \
+                else ""  # (what the grammar forces next: always drafted)
+            if plan is not None or (room and not forced and self.speculator.skips(req)):
                 room = 0  # no draft this step: its input is not even prepared
             if room:
                 inp = DraftInput(slot.ctx[:n], x, slot.last_hidden,
@@ -902,7 +904,7 @@ class Engine:
                     inp.ends = slot.text.ends
                     inp.tokenize, inp.piece = self._tokenize_text, be.piece
                 if forcing is not None:
-                    self._constrain_draft(inp, forcing)
+                    self._constrain_draft(inp, forcing, forced)
                 plan = self.speculator.propose(req, inp, room, offset=job.batch_offset,
                                                gain=job.batch_gain)
             job.expected_tokens = 1.0 if plan is None else 1.0 + plan.expected_accepted
@@ -1007,11 +1009,11 @@ class Engine:
             got = self._forced_memo[text] = tuple(self._tokenize_text(text))
         return got
 
-    def _constrain_draft(self, inp: DraftInput, forcing: Forcing) -> None:
-        """Under a grammar: draft what it forces next, let it veto drafted nodes, and add
-        what it forces after a drafted leaf to that leaf's branch."""
+    def _constrain_draft(self, inp: DraftInput, forcing: Forcing, text: str) -> None:
+        """Under a grammar: draft what it forces next (`text`, its `next_text()`), let it
+        veto drafted nodes, and add what it forces after a drafted leaf to that leaf's
+        branch."""
         be, depth, state = self.backend, self.config.draft_depth, forcing.state
-        text = forcing.next_text()
         if text:
             inp.forced = self._forced_tokens(text)
 

@@ -258,8 +258,7 @@ class Speculator:
             return None
         if req.unverified is not None:
             self._settle(req, DraftInput(tokens, root, None, None))
-        tree = TokenTree(root)
-        tree.insert(chain(tokens, root, at, room), weight, _MAX_AGREE, COPY)
+        tree = TokenTree.chain(root, chain(tokens, root, at, room), weight, _MAX_AGREE, COPY)
         plan = self._decide(tree, req, room, int(tokens.shape[0]), offset, gain, at)
         if plan is not None:
             plan.found_copy = weight < 1.0

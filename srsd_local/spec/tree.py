@@ -55,6 +55,25 @@ class TokenTree:
         out._children = kids
         return out
 
+    @classmethod
+    def chain(cls, root_token: int, tokens: list[int], weight: float, agree: int = 0,
+              origin: int = 1) -> TokenTree:
+        """The tree `TokenTree(root_token)` holds after `insert(tokens, weight, agree,
+        origin)`, made list by list (a copy run's chain: every step of a run, right after
+        a forward pass, where a node-by-node insert costs more than the rest of the step's
+        drafting). `tokens`: Python ints."""
+        k = len(tokens)
+        out = cls.__new__(cls)
+        out.tokens = [int(root_token), *tokens]
+        out.parents = list(range(-1, k))
+        out.depths = list(range(k + 1))
+        out.weights = [float(weight)] * (k + 1)
+        out.counts = [1] * (k + 1)
+        out.agree = [0] + [max(agree, 0)] * k
+        out.origin = [origin] * (k + 1)
+        out._children = [{t: i} for i, t in enumerate(tokens, 1)] + [{}]
+        return out
+
     def __len__(self) -> int:
         return len(self.tokens)
 
