@@ -115,6 +115,16 @@ def test_rows_added_step_by_step_are_indexed_like_rows_added_at_once(backend):
         steps.add(np.zeros((2, 31), np.float32), 200)
 
 
+def _assert_same_rows(a: VectorIndex, b: VectorIndex, n: int) -> None:
+    """Both indexes, their pending rows stored, hold the same n rows for the same positions."""
+    a._flush()
+    b._flush()
+    assert len(a) == len(b) == n
+    assert np.array_equal(a._buf[:n], b._buf[:n])
+    assert np.array_equal(a._pos[:n], b._pos[:n])
+    assert np.array_equal(a._row_of[:n], b._row_of[:n])
+
+
 def test_rows_written_at_the_stage_address_are_indexed_like_rows_added():
     # a compiled plain step writes its captured row at `stage_address()` and the engine
     # then calls `add_staged`: the index holds what `add` of the same rows would (across
@@ -138,12 +148,7 @@ def test_rows_written_at_the_stage_address_are_indexed_like_rows_added():
         if pos % 97 == 0:  # a search stores what is waiting (both indexes)
             a, b = staged.search(x[pos - 5], 4), added.search(x[pos - 5], 4)
             assert a.positions.tolist() == b.positions.tolist()
-    staged._flush()
-    added._flush()
-    assert len(staged) == len(added) == 1500
-    assert np.array_equal(staged._buf[:1500], added._buf[:1500])
-    assert np.array_equal(staged._pos[:1500], added._pos[:1500])
-    assert np.array_equal(staged._row_of[:1500], added._row_of[:1500])
+    _assert_same_rows(staged, added, 1500)
     full = VectorIndex(32, 1, "numpy")
     full.add(x[:1], 0)
     with pytest.raises(ValueError, match="full"):
@@ -182,12 +187,7 @@ def test_a_paths_rows_are_indexed_like_the_same_rows_added(compiled):
         if steps % 9 == 0:  # a search stores what is waiting (both indexes)
             a, b = paths.search(x[pos - 3], 4), added.search(x[pos - 3], 4)
             assert a.positions.tolist() == b.positions.tolist()
-    paths._flush()
-    added._flush()
-    assert len(paths) == len(added) == 1400
-    assert np.array_equal(paths._buf[:1400], added._buf[:1400])
-    assert np.array_equal(paths._pos[:1400], added._pos[:1400])
-    assert np.array_equal(paths._row_of[:1400], added._row_of[:1400])
+    _assert_same_rows(paths, added, 1400)
     full = VectorIndex(32, 3, "numpy")
     full.add(x[:2], 0)
     with pytest.raises(ValueError, match="full"):
