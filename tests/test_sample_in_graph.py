@@ -7,6 +7,7 @@ the graph."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from srsd_local.bench.workloads import load_workload
@@ -58,6 +59,50 @@ def test_greedy_trees_sampled_in_graph_equal_plain_decoding(graph_engine):
         assert be.graph_rows - rows0 >= out.stats.drafts * 2
         rep = graph_engine.verify_output(EDIT.prompt, out.token_ids)
         assert rep.ok, (mode, rep.summary())
+
+
+def test_tree_passes_and_their_paths_go_through_the_compiled_calls_and_change_nothing(
+        graph_engine):
+    # a tree's pass and the reading of its in-graph tokens are one compiled call, its
+    # accepted path's rows go into the index in another: both are used on the real model,
+    # and with both off (ctypes calls, numpy's add) the output and the index are the same
+    be = graph_engine.backend
+    assert be._rows_step is not None and graph_engine.slots[0].index._stage_path is not None
+    real_step, real_stage = be._rows_step, graph_engine.slots[0].index._stage_path
+    calls = {"pass": 0, "path": 0}
+
+    def counted(name, fn):
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
+        return call
+
+    def run(compiled: bool):
+        be._rows_step = counted("pass", real_step) if compiled else None
+        stage = counted("path", real_stage) if compiled else None
+        for slot in graph_engine.slots:
+            slot.index._stage_path = stage
+        graph_engine.reset()
+        out = graph_engine.generate(EDIT.prompt, max_tokens=64, mode="srsd")
+        slot = next(s for s in graph_engine.slots if len(s.index))
+        slot.index._flush()
+        n = len(slot.index)
+        return out, n, slot.index._buf[:n].copy(), slot.index._pos[:n].copy()
+
+    try:
+        on, n_on, buf_on, pos_on = run(True)
+        assert on.stats.drafts > 0 and calls["pass"] >= on.stats.drafts
+        assert calls["path"] > 0
+        off, n_off, buf_off, pos_off = run(False)
+    finally:
+        be._rows_step = real_step
+        for slot in graph_engine.slots:
+            slot.index._stage_path = real_stage
+    assert on.token_ids == off.token_ids
+    assert n_on == n_off and np.array_equal(pos_on, pos_off)
+    assert np.array_equal(buf_on, buf_off)
+    rep = graph_engine.verify_output(EDIT.prompt, on.token_ids)
+    assert rep.ok, rep.summary()
 
 
 def test_requests_that_need_logits_still_get_them(graph_engine):
