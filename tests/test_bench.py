@@ -633,6 +633,59 @@ def test_run_bench_verifies_each_distinct_greedy_output_once():
     assert "20 / 1 / 0.50 / 0.40 (1 beyond noise)" in table(summarise(recs, modes), modes)
 
 
+def test_a_peer_that_ignores_the_schema_is_checked_unconstrained_and_a_failed_check_is_reported():
+    """c-loop decodes without the prompt's schema: its output is checked against plain
+    unconstrained decoding. A check that raises (here: an output the grammar refuses) is
+    recorded and shown in the table; the other runs and checks go on."""
+    from srsd_local.bench.report import summarise
+    from srsd_local.engine.verify import VerifyReport
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    seen = []
+
+    class SchemaEngine(FakeEngine):
+        backend = SimpleNamespace(detokenize=lambda ids: '{"n": 1}')
+
+        def generate(self, prompt, *, max_tokens, temperature, seed, mode, json_schema=None):
+            assert json_schema == schema
+            return super().generate(prompt, max_tokens=max_tokens, temperature=temperature,
+                                    seed=seed, mode=mode)
+
+    def verify(prompt, ids, json_schema=None):
+        seen.append((tuple(ids), json_schema is not None))
+        if json_schema is not None and ids[0] == 9:
+            raise ValueError("output token 9 at position 0 is not admitted by the grammar")
+        return VerifyReport(len(ids), [], [], [], 0.3, 0.4)
+
+    class Unconstrained(FakePeer):
+        follows_schema = False
+
+    class Constrained(FakePeer):
+        follows_schema = True
+
+    peers = {"c-loop": Unconstrained([9]), "llama-server-spec": Constrained([9])}
+    modes = ["ar", "c-loop", "llama-server-spec"]
+    prompts = [BenchPrompt("j", "json", "J", 4, json_schema=schema),
+               BenchPrompt("k", "json", "K", 4, json_schema=schema)]
+    recs = run_bench(SchemaEngine(), prompts, modes, peers=peers, progress=False,
+                     verify=verify)
+    by = {(r.prompt_id, r.mode): r for r in recs}
+    # the same tokens [9, 9, 9, 9]: checked once without the schema (c-loop), once with it
+    assert seen == [((7,) * 4, True), ((9,) * 4, False), ((9,) * 4, True)] * 2
+    assert by[("j", "c-loop")].verify["positions"] == 4
+    assert by[("j", "c-loop")].verify_error is None
+    assert by[("j", "llama-server-spec")].verify is None
+    assert "not admitted by the grammar" in by[("j", "llama-server-spec")].verify_error
+    assert by[("k", "ar")].verify["positions"] == 4  # the runs after the failure went on
+    s = summarise(recs, modes)
+    assert s["modes"]["llama-server-spec"]["verify_errors"] == 2
+    assert s["modes"]["c-loop"]["verify_errors"] == 0
+    rows = {tuple(c.strip() for c in line.split("|")[1:3]): line
+            for line in table(s, modes).splitlines()}
+    assert "2 output(s) not checked: the check failed" in rows[("json", "llama-server-spec")]
+    assert "not checked" not in rows[("json", "c-loop")]
+
+
 def _args(tmp_path: Path, modes: str, **kw) -> SimpleNamespace:
     w = tmp_path / "w.jsonl"
     w.write_text("".join(json.dumps({"id": f"p{i}", "category": "code_edit", "prompt": f"x{i}",

@@ -75,6 +75,9 @@ class PeerResult:
 
 
 class Peer(Protocol):
+    # whether its output follows a prompt's JSON schema (c-loop decodes without one)
+    follows_schema: bool
+
     def run(self, p: BenchPrompt) -> PeerResult: ...
 
     def close(self) -> None: ...
@@ -129,6 +132,8 @@ def _model_params(repack: bool) -> Iterator[None]:
 class LcpPeer:
     """llama-cpp-python's prompt lookup decoding on the same GGUF."""
 
+    follows_schema = True
+
     def __init__(self, s: PeerSettings) -> None:
         from llama_cpp import Llama  # noqa: PLC0415
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding  # noqa: PLC0415
@@ -172,7 +177,10 @@ class LcpPeer:
 # -- c-loop -------------------------------------------------------------------------------------
 class CLoopPeer:
     """Plain decoding in one C call per generation (see cloop.py), on its own context with
-    the engine's model, context size, batch sizes, threads and GPU layers."""
+    the engine's model, context size, batch sizes, threads and GPU layers. It ignores
+    JSON schemas (a decode-speed baseline): its output is plain unconstrained decoding."""
+
+    follows_schema = False
 
     def __init__(self, s: PeerSettings) -> None:
         from ..config import SRSDConfig  # noqa: PLC0415
@@ -294,6 +302,8 @@ def _free_port() -> int:
 
 class LlamaServerPeer:
     """One llama-server process (one mode), started here and stopped by `close`."""
+
+    follows_schema = True
 
     def __init__(self, mode: str, binary: str | Path, s: PeerSettings,
                  startup_timeout: float = 300.0, request_timeout: float = 600.0) -> None:

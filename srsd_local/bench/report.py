@@ -34,6 +34,10 @@ class RunRecord:
     identical_to_ar: bool | None = None  # greedy prompts only
     peer: bool = False
     verify: dict[str, Any] | None = None  # VerifyReport.to_dict() (greedy, when checked)
+    verify_error: str | None = None  # why the check of this output failed (then no report)
+    # the output was generated under the prompt's JSON schema (c-loop ignores it: its
+    # output is checked against unconstrained plain decoding)
+    follows_schema: bool = True
     valid: bool | None = None  # the output satisfies the prompt's JSON schema (when it has one)
     invalid_reason: str | None = None
     # the same generation replayed without the forward passes (--host-replay): its host times
@@ -44,7 +48,8 @@ class RunRecord:
                 "repeat": self.repeat, "peer": self.peer, "tokens": self.stats.tokens,
                 "seconds": self.stats.seconds, "identical_to_ar": self.identical_to_ar,
                 "token_ids": self.token_ids, "stats": self.stats.to_dict(),
-                "verify": self.verify, "valid": self.valid,
+                "verify": self.verify, "verify_error": self.verify_error,
+                "follows_schema": self.follows_schema, "valid": self.valid,
                 "invalid_reason": self.invalid_reason,
                 "replay_stats": None if self.replay is None else self.replay.to_dict()}
 
@@ -62,11 +67,14 @@ def verify_totals(reports: Iterable[dict[str, Any] | None]) -> dict[str, Any] | 
             "noise": max(r["noise"] for r in reps)}
 
 
-def _verify_cell(v: dict[str, Any] | None) -> str:
+def _verify_cell(v: dict[str, Any] | None, errors: int = 0) -> str:
+    failed = f"{errors} output(s) not checked: the check failed" if errors else ""
     if v is None:
-        return "-"
+        return failed or "-"
     cell = f"{v['positions']} / {v['mismatches']} / {v['worst_gap']:.2f} / {v['noise']:.2f}"
-    return cell + (f" ({v['beyond_noise']} beyond noise)" if v["beyond_noise"] else "")
+    notes = [f"{v['beyond_noise']} beyond noise"] if v["beyond_noise"] else []
+    return cell + (f" ({'; '.join(notes + ([failed] if failed else []))})"
+                   if notes or failed else "")
 
 
 # -- aggregation -------------------------------------------------------------------------------
@@ -115,6 +123,7 @@ def aggregate(recs: Iterable[RunRecord], mode: str) -> dict[str, Any]:
         "valid_cut": sum(1 for r in recs if r.valid is False and
                          (r.invalid_reason or "").startswith(CUT)),
         "verify": verify_totals(r.verify for r in recs),
+        "verify_errors": sum(1 for r in recs if r.verify_error is not None),
     }
 
 
@@ -179,7 +188,7 @@ def table(summary: dict[str, Any], modes: Sequence[str]) -> str:
                 cells += [_fmt(a["replay_host_ms_plain"], ".3f"),
                           _fmt(a["replay_host_ms_tree16"], ".3f")]
             cells += ["-" if same is None else f"{same[0]}/{same[1]}",
-                      _verify_cell(a["verify"])]
+                      _verify_cell(a["verify"], a.get("verify_errors", 0))]
             if constrained:
                 v, cut = a["valid"], a.get("valid_cut", 0)
                 cells += [_fmt(a["forced_tokens"], "d"), "-" if v is None else

@@ -72,7 +72,8 @@ def run_bench(engine: Any, prompts: Sequence[BenchPrompt], modes: Sequence[str],
         if mode in peers:
             res = peers[mode].run(p)
             rec = RunRecord(p.id, p.category, mode, repeat, res.to_stats(mode), res.token_ids,
-                            peer=True)
+                            peer=True,
+                            follows_schema=getattr(peers[mode], "follows_schema", True))
             text = None
             if p.json_schema is not None and res.token_ids is not None:
                 text = engine.backend.detokenize(res.token_ids)
@@ -98,7 +99,7 @@ def run_bench(engine: Any, prompts: Sequence[BenchPrompt], modes: Sequence[str],
     for mode in modes:  # excluded from timing
         one(warm, mode, -1)
     records: list[RunRecord] = []
-    checked: dict[tuple[str, tuple[int, ...]], dict[str, Any]] = {}
+    checked: dict[tuple[str, tuple[int, ...], bool], dict[str, Any] | str] = {}
 
     def replay(p: BenchPrompt, recs: list[RunRecord]) -> None:
         if not host_replay or (p.temperature != 0.0 and p.seed is None):
@@ -111,12 +112,24 @@ def run_bench(engine: Any, prompts: Sequence[BenchPrompt], modes: Sequence[str],
                     seed=p.seed, mode=rec.mode, **p.constraint)
 
     def check(p: BenchPrompt, rec: RunRecord) -> None:
+        """The output against plain decoding (under the prompt's schema where the run
+        followed it). A check that fails is recorded with its reason and reported; the
+        runs go on (an hour of measurements is not lost to one output)."""
         if verify is None or rec.token_ids is None or p.temperature != 0.0:
             return
-        key = (p.id, tuple(rec.token_ids))
+        constraint = p.constraint if rec.follows_schema else {}
+        key = (p.id, tuple(rec.token_ids), bool(constraint))
         if key not in checked:
-            checked[key] = verify(p.prompt, rec.token_ids, **p.constraint).to_dict()
-        rec.verify = checked[key]
+            try:
+                checked[key] = verify(p.prompt, rec.token_ids, **constraint).to_dict()
+            except Exception as exc:  # noqa: BLE001 - reported with the run
+                checked[key] = f"{type(exc).__name__}: {exc}"
+                bar.write(f"bench: the check of {p.id} ({rec.mode}) against plain decoding "
+                          f"failed: {checked[key]}", file=sys.stderr)
+        if isinstance(checked[key], str):
+            rec.verify_error = checked[key]
+        else:
+            rec.verify = checked[key]
 
     bar = tqdm(total=len(prompts) * len(modes) * repeats, desc="bench", unit="run",
                disable=not progress)
