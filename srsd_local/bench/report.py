@@ -68,13 +68,12 @@ def verify_totals(reports: Iterable[dict[str, Any] | None]) -> dict[str, Any] | 
 
 
 def _verify_cell(v: dict[str, Any] | None, errors: int = 0) -> str:
-    failed = f"{errors} output(s) not checked: the check failed" if errors else ""
+    failed = [f"{errors} output(s) not checked: the check failed"] if errors else []
     if v is None:
-        return failed or "-"
+        return failed[0] if failed else "-"
     cell = f"{v['positions']} / {v['mismatches']} / {v['worst_gap']:.2f} / {v['noise']:.2f}"
-    notes = [f"{v['beyond_noise']} beyond noise"] if v["beyond_noise"] else []
-    return cell + (f" ({'; '.join(notes + ([failed] if failed else []))})"
-                   if notes or failed else "")
+    notes = ([f"{v['beyond_noise']} beyond noise"] if v["beyond_noise"] else []) + failed
+    return cell + (f" ({'; '.join(notes)})" if notes else "")
 
 
 # -- aggregation -------------------------------------------------------------------------------

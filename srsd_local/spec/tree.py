@@ -43,16 +43,19 @@ class TokenTree:
     @classmethod
     def from_lists(cls, tokens: list[int], parents: list[int], depths: list[int],
                    weights: list[float], counts: list[int], agree: list[int],
-                   origin: list[int]) -> TokenTree:
+                   origin: list[int], children: list[dict[int, int]] | None = None
+                   ) -> TokenTree:
         """A tree from its per-node lists, numbered as `insert` and `prune` number nodes
-        (parents before their children, siblings in the order they were added)."""
+        (parents before their children, siblings in the order they were added); `children`
+        (per node, token -> child) where the caller has them, else worked out."""
         out = cls.__new__(cls)
         out.tokens, out.parents, out.depths = tokens, parents, depths
         out.weights, out.counts, out.agree, out.origin = weights, counts, agree, origin
-        kids: list[dict[int, int]] = [{} for _ in tokens]
-        for i in range(1, len(tokens)):
-            kids[parents[i]][tokens[i]] = i
-        out._children = kids
+        if children is None:
+            children = [{} for _ in tokens]
+            for i in range(1, len(tokens)):
+                children[parents[i]][tokens[i]] = i
+        out._children = children
         return out
 
     @classmethod
@@ -63,16 +66,10 @@ class TokenTree:
         a forward pass, where a node-by-node insert costs more than the rest of the step's
         drafting). `tokens`: Python ints."""
         k = len(tokens)
-        out = cls.__new__(cls)
-        out.tokens = [int(root_token), *tokens]
-        out.parents = list(range(-1, k))
-        out.depths = list(range(k + 1))
-        out.weights = [float(weight)] * (k + 1)
-        out.counts = [1] * (k + 1)
-        out.agree = [0] + [max(agree, 0)] * k
-        out.origin = [origin] * (k + 1)
-        out._children = [{t: i} for i, t in enumerate(tokens, 1)] + [{}]
-        return out
+        return cls.from_lists([int(root_token), *tokens], list(range(-1, k)),
+                              list(range(k + 1)), [float(weight)] * (k + 1), [1] * (k + 1),
+                              [0] + [max(agree, 0)] * k, [origin] * (k + 1),
+                              [{t: i} for i, t in enumerate(tokens, 1)] + [{}])
 
     def __len__(self) -> int:
         return len(self.tokens)
