@@ -95,3 +95,32 @@ def test_a_failing_decode_in_the_c_loop_is_an_error_that_says_so(model_path):
         assert len(ids) == 8
     finally:
         be.close()
+
+
+@pytest.mark.model
+def test_the_bench_checks_the_c_loops_json_output_without_the_schema(engine):
+    """c-loop decodes without a prompt's JSON schema; in the bench with the check on, its
+    output is checked against unconstrained plain decoding at every position (no error,
+    no mismatch), while the engine's run is checked under the schema."""
+    from srsd_local.bench.peers import CLoopPeer, PeerSettings
+    from srsd_local.bench.runner import run_bench
+    from srsd_local.bench.workloads import BenchPrompt
+
+    _lib()
+    schema = {"type": "object", "properties": {"name": {"type": "string"}},
+              "required": ["name"]}
+    p = BenchPrompt("j", "json", "Write a JSON object with a name.\n", 24, json_schema=schema)
+    peer = CLoopPeer(PeerSettings.of(engine))
+    try:
+        recs = run_bench(engine, [p], ["ar", "c-loop"], peers={"c-loop": peer},
+                         progress=False, verify=engine.verify_output)
+    finally:
+        peer.close()
+    by = {r.mode: r for r in recs}
+    loop = by["c-loop"]
+    assert not loop.follows_schema and loop.verify_error is None
+    assert loop.verify["positions"] == len(loop.token_ids) > 0
+    assert loop.verify["mismatches"] == []  # exactly plain decoding without the schema
+    assert by["ar"].follows_schema and by["ar"].verify_error is None
+    assert by["ar"].verify["positions"] == len(by["ar"].token_ids)
+    assert by["ar"].valid is not None  # (the engine's run followed the schema)
