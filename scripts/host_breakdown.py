@@ -11,8 +11,10 @@ microseconds per call, so the totals are slightly high). Printed: one markdown t
 component its calls, milliseconds per call and in all (drafting runs in the steps that
 verify a tree and in those where nothing was found or the controller declined; the walk,
 fork and commit only in the former); the walk's row reads (the model's token after each
-accepted node: one logits row read each) in microseconds per row; and the host time per
-tree step as the engine's own stats measure it, for comparison.
+accepted node: one logits row read each) in microseconds per row; the KV-cell bookkeeping
+(fork and commit) per tree by its number of branches (each of llama.cpp's memory calls scans
+every cell of the cache, one call per branch and sequence); and the host time per tree step
+as the engine's own stats measure it, for comparison.
 
 With `--replay`, every generation is recorded once and the timed runs are replays (each
 llama_decode call served from the recording, see srsd_local/engine/replay.py): the same code
@@ -90,6 +92,30 @@ def install(totals: dict, calls: Counter) -> None:
         setattr(owner, name, _timed(getattr(owner, name), label, totals, calls))
 
 
+def install_kv_split(kv: dict[int, list[float]]) -> None:
+    """Time the KV-cell bookkeeping of each tree (fork and commit) per number of branches:
+    kv[branches] = [trees, fork seconds, commit seconds]. (Each llama.cpp memory call scans
+    every cell of the cache, so its cost grows with the branches and the context size.)"""
+    from srsd_local.llama.backend import Backend  # noqa: PLC0415
+
+    for name, col in (("seq_fork", 1), ("seq_commit", 2)):
+        fn = getattr(Backend, name)
+
+        def wrapper(self, base, *args, _fn=fn, _col=col, **kwargs):
+            # seq_fork(base, n_branches, first); seq_commit(base, winner, start,
+            # keep_until, n_branches, first)
+            branches = args[0] if _col == 1 else args[3]
+            t0 = time.perf_counter()
+            try:
+                return _fn(self, base, *args, **kwargs)
+            finally:
+                row = kv.setdefault(branches, [0, 0.0, 0.0])
+                row[_col] += time.perf_counter() - t0
+                row[0] += _col == 1
+
+        setattr(Backend, name, functools.wraps(fn)(wrapper))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", default="code_edit,text_edit,humaneval,code_continue")
@@ -108,6 +134,8 @@ def main() -> None:
     # per kind of walk (rows copied out / tokens from the graph): rows visited, seconds
     walks: dict[str, list[float]] = {"copied": [0, 0, 0.0], "graph": [0, 0, 0.0]}
     install(totals, calls)
+    kv: dict[int, list[float]] = {}
+    install_kv_split(kv)
     from srsd_local.engine import engine as engine_mod  # noqa: PLC0415 (wrapped above)
     walk = engine_mod.walk_tree
 
@@ -150,6 +178,7 @@ def main() -> None:
             calls.clear()
             for w in walks.values():
                 w[:] = [0, 0, 0.0]
+            kv.clear()
     eng.close()
     if not tree_steps:
         raise SystemExit("no step verified a tree: nothing to break down")
@@ -166,6 +195,12 @@ def main() -> None:
         if n:
             print(f"| {label} | {n} | {1e3 * totals[label] / n:.3f} | "
                   f"{1e3 * totals[label]:.1f} |")
+    print("\n| branches | trees | KV: fork, ms per tree | KV: commit, ms per tree |")
+    print("|---:|---:|---:|---:|")
+    for branches in sorted(kv):
+        n, fork, commit = kv[branches]
+        if n:
+            print(f"| {branches} | {n:.0f} | {1e3 * fork / n:.3f} | {1e3 * commit / n:.3f} |")
     for kind, (n, rows, seconds) in walks.items():
         if n:
             print(f"\nwalk, rows {kind}: {n} trees, {rows / n:.1f} rows visited per tree, "
