@@ -138,21 +138,24 @@ class FakeBackend:
     def keep_rows(self, seqs, on: bool) -> bool:
         return not on
     _branches = staticmethod(Backend._branch_ids)
+    branch_seqs = staticmethod(Backend.branch_seqs)
 
-    def seq_fork(self, base: int, n_branches: int, first: int | None = None) -> None:
-        for s in self._branches(base, n_branches, first):
+    def seq_fork(self, base: int, n_branches: int, first: int | None = None,
+                 with_base: bool = False) -> None:
+        for s in self._branches(base, n_branches, first, with_base):
             self.seqs[s] = list(self.seqs.get(base, []))
 
     def seq_commit(self, base: int, winner: int, start: int, keep_until: int,
-                   n_branches: int, first: int | None = None) -> None:
+                   n_branches: int, first: int | None = None, with_base: bool = False
+                   ) -> None:
         kept = self.seqs[winner][:keep_until]
-        for s in self._branches(base, n_branches, first):
+        for s in self._branches(base, n_branches, first, with_base):
             self.seqs.pop(s, None)
         self.seqs[base] = kept
 
     def seq_abandon(self, base: int, n_branches: int, start: int,
-                    first: int | None = None) -> None:
-        for s in self._branches(base, n_branches, first):
+                    first: int | None = None, with_base: bool = False) -> None:
+        for s in self._branches(base, n_branches, first, with_base):
             self.seqs.pop(s, None)
         self.seqs[base] = self.seqs.get(base, [])[:start]
 

@@ -31,6 +31,7 @@ class _Memory:
 
     def __init__(self, lows: dict[int, int]) -> None:
         self.lows = lows
+        self.highs: dict[int, int] = {}
         self.calls: list[tuple] = []
 
     def llama_memory_seq_pos_min(self, mem, seq):
@@ -43,11 +44,17 @@ class _Memory:
     def llama_memory_seq_cp(self, mem, src, dst, p0, p1):
         self.calls.append(("cp", src, dst, p0, p1))
 
+    def llama_memory_seq_pos_max(self, mem, seq):
+        return self.highs.get(seq, -1)
+
 
 def _fake_backend(lows: dict[int, int], n_swa: int = 512) -> SimpleNamespace:
     be = SimpleNamespace(_L=_Memory(lows), mem=None, n_swa=n_swa, _shares={}, _lows={},
                          config=SimpleNamespace(max_branches=8),
-                         _UNBOUNDED=Backend._UNBOUNDED, _branch_ids=Backend._branch_ids)
+                         _UNBOUNDED=Backend._UNBOUNDED, _branch_ids=Backend._branch_ids,
+                         _check_rm=Backend._check_rm)
+    be.seq_fork = lambda *a: Backend.seq_fork(be, *a)
+    be._drop_tree = lambda *a: Backend._drop_tree(be, *a)
     return be
 
 
@@ -79,6 +86,36 @@ def test_fork_copies_a_branch_afresh_after_its_main_lost_first_cells():
     be._L.calls.clear()
     Backend.seq_fork(be, 0, 3)  # branch 2 too, when it is used; branch 1 is in step now
     assert be._L.calls == [("cp", 0, 1, 1 << 30, -1), ("rm", 2, -1, -1), ("cp", 0, 2, 0, -1)]
+
+
+def test_a_tree_with_branch_0_on_the_main_sequence_copies_only_into_the_other_ids():
+    """`with_base`: branch 0 of a tree is the main sequence itself, branches 1.. the ids from
+    `first` on (a greedy request sampled in the graph); the prompt's cells shared with those
+    ids once (`seq_share`), so a tree's fork copies only what the main sequence got since,
+    and a commit drops the tree from the ids it used."""
+    assert Backend.branch_seqs(0, 3, 20, True) == [0, 20, 21]
+    assert list(Backend._branch_ids(0, 3, 20, True)) == [20, 21]
+    assert Backend.branch_seqs(0, 3, 20) == [20, 21, 22]  # (a drawn tree: all on the ids)
+    assert Backend.branch_seqs(0, 3, 0, True) == Backend.branch_seqs(0, 3, None) == [0, 1, 2]
+    be = _fake_backend({0: 0})
+    be._L.highs[0] = 499  # the prompt: positions 0..499
+    Backend.seq_share(be, 0, 9, 20, True)  # ids 20..27 get them
+    assert be._L.calls == [("cp", 0, s, 0, -1) for s in range(20, 28)]
+    assert all(be._shares[s] == (0, 500) for s in range(20, 28))
+    be._L.calls.clear()
+    Backend.seq_fork(be, 0, 3, 20, True)  # a 3-branch tree at 530: two ids, 30 new cells
+    assert be._L.calls == [("cp", 0, 20, 500, -1), ("cp", 0, 21, 500, -1)]
+    be._L.calls.clear()
+    Backend.seq_commit(be, 0, 21, 530, 533, 3, 20, True)  # branch 2 won, 3 cells kept
+    assert be._L.calls == [("rm", 0, 530, -1), ("cp", 21, 0, 530, 533), ("rm", 20, 530, -1),
+                           ("rm", 21, 530, -1)]
+    assert be._shares[20] == be._shares[21] == (0, 530) and be._shares[22] == (0, 500)
+    be._L.calls.clear()
+    Backend.seq_fork(be, 0, 2, 20, True)
+    Backend.seq_commit(be, 0, 0, 540, 542, 2, 20, True)  # branch 0 (the main one) won
+    assert be._L.calls == [("cp", 0, 20, 530, -1), ("rm", 20, 540, -1), ("rm", 0, 542, -1)]
+    with pytest.raises(ValueError, match="branches"):
+        Backend.seq_fork(be, 0, 10, 20, True)  # 9 ids: one more than there are
 
 
 @pytest.fixture(scope="module")

@@ -49,16 +49,38 @@ def test_config_reserves_a_block_of_sampled_branch_ids_per_slot():
         assert SRSDConfig(n_gpu_layers=gpu, parallel=4, max_branches=40).seq_max == 4 * 41
 
 
-def test_greedy_trees_sampled_in_graph_equal_plain_decoding(graph_engine):
+def test_greedy_trees_sampled_in_graph_equal_plain_decoding(graph_engine, monkeypatch):
+    """Trees of several branches included: branch 0 on the main sequence (sampled in the
+    graph as well), the other branches on the sampled branch ids."""
     be = graph_engine.backend
-    for mode in ("srsd", "retrieval"):
+    forks: list[tuple[int, int | None, bool]] = []
+    seq_fork = be.seq_fork
+
+    def recording_fork(base, n_branches, first=None, with_base=False):
+        forks.append((n_branches, first, with_base))
+        seq_fork(base, n_branches, first, with_base)
+
+    monkeypatch.setattr(be, "seq_fork", recording_fork)
+    branches = []
+    for mode, prompt in (("srsd", EDIT), ("retrieval", EDIT), ("srsd", GEN)):
         rows0 = be.graph_rows
-        out = graph_engine.generate(EDIT.prompt, max_tokens=96, mode=mode)
+        forks.clear()
+        out = graph_engine.generate(prompt.prompt, max_tokens=96, mode=mode)
         assert out.stats.drafts > 0 and out.stats.accepted_tokens > 0
         # every verified tree's rows came back as llama.cpp's argmax
         assert be.graph_rows - rows0 >= out.stats.drafts * 2
-        rep = graph_engine.verify_output(EDIT.prompt, out.token_ids)
+        rep = graph_engine.verify_output(prompt.prompt, out.token_ids)
         assert rep.ok, (mode, rep.summary())
+        # (the first call: the prompt's cells shared with every branch id of the slot)
+        slot = max(graph_engine.slots, key=lambda s: s.last_used)
+        first = graph_engine.config.graph_branch_base(graph_engine.slots.index(slot))
+        assert forks[0] == (graph_engine.config.max_branches + 1, first, True)
+        trees = forks[1:]
+        assert len(trees) == out.stats.drafts
+        assert all(with_base and f == (first if b > 1 else slot.base)
+                   for b, f, with_base in trees)
+        branches += [b for b, _, _ in trees]
+    assert max(branches) > 1
 
 
 def test_tree_passes_and_their_paths_go_through_the_compiled_calls_and_change_nothing(
@@ -328,7 +350,8 @@ def test_in_graph_tokens_of_a_batch_split_into_several_llama_decode_calls(model_
 def test_a_greedy_request_is_sampled_in_graph_on_its_main_sequence(model_path, monkeypatch):
     """By default (on a CPU too): a greedy request's main sequence carries a greedy sampler,
     so its plain steps and its chains come back as token ids (no logits row copied out, no
-    fork), its other trees on the sampled branch ids; the prompt's last row still has its
+    fork), its other trees with branch 0 there too and the other branches on the sampled
+    branch ids; the prompt's last row still has its
     logits copied out (kept for a repeat of the prompt in any mode); a request that needs the
     logits takes the sampler off first. Outputs are plain decoding's."""
     import numpy as np
@@ -351,19 +374,30 @@ def test_a_greedy_request_is_sampled_in_graph_on_its_main_sequence(model_path, m
             return out
 
         monkeypatch.setattr(be, "step_at", counting_step)
-        forks: list[tuple[int, int, int]] = []  # per tree: branches, first id, copies
+        forks: list[tuple[int, int, bool, int]] = []  # per tree: branches, first id, with
+        # the main sequence as branch 0, copies
         seq_cp, seq_fork = L.llama_memory_seq_cp, be.seq_fork
         copies = []
         monkeypatch.setattr(L, "llama_memory_seq_cp",
                             lambda mem, a, b, p0, p1: copies.append(b) or
                             seq_cp(mem, a, b, p0, p1))
 
-        def recording_fork(base, n_branches, first=None):
+        def recording_fork(base, n_branches, first=None, with_base=False):
             n0 = len(copies)
-            seq_fork(base, n_branches, first)
-            forks.append((n_branches, first, len(copies) - n0))
+            seq_fork(base, n_branches, first, with_base)
+            forks.append((n_branches, first, with_base, len(copies) - n0))
+
+        shares: list[tuple[int, int, bool]] = []  # per generation: its ids, the prompt's
+        seq_share = be.seq_share  # cells shared with them once
+
+        def recording_share(base, n_branches, first=None, with_base=False):
+            n0 = len(forks)
+            seq_share(base, n_branches, first, with_base)
+            assert len(forks) == n0 + 1
+            shares.append(forks.pop()[:3])
 
         monkeypatch.setattr(be, "seq_fork", recording_fork)
+        monkeypatch.setattr(be, "seq_share", recording_share)
         rows0 = be.graph_rows
         outs = {}
         for p in (EDIT, GEN):
@@ -374,12 +408,16 @@ def test_a_greedy_request_is_sampled_in_graph_on_its_main_sequence(model_path, m
         assert calls["plain"] == calls["rows"] == plain > 0  # every plain step: a token
         assert be.graph_rows - rows0 >= plain + 2 * sum(s.drafts for s in stats)
         # chains (one branch) are verified on the main sequence itself, without a copy of
-        # it; a tree of b branches on the sampled branch ids (b copies)
+        # it; a tree of b branches has its branch 0 there too and the others on the sampled
+        # branch ids (b - 1 copies, of the cells the main sequence got since the prompt's
+        # were shared with all of those ids, once per generation)
         assert len(forks) == sum(s.drafts for s in stats)
         graph_first = eng.config.graph_branch_base(0)
-        assert any(b == 1 for b, _, _ in forks)
-        for b, first, n_copies in forks:
-            assert (first, n_copies) == ((0, 0) if b == 1 else (graph_first, b))
+        assert shares == [(eng.config.max_branches + 1, graph_first, True)] * len(outs)
+        assert any(b == 1 for b, _, _, _ in forks)
+        for b, first, with_base, n_copies in forks:
+            assert with_base and n_copies == b - 1
+            assert first == (0 if b == 1 else graph_first)
         for prompt, out in outs.items():
             assert eng.verify_output(prompt, out.token_ids).ok
         # verify_output decoded sequence 0 with its logits: the sampler was taken off

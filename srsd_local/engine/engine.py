@@ -853,6 +853,13 @@ class Engine:
             if req.uses_text:
                 slot.text.sync(slot.ctx[:n], be.piece)
             self.speculator.prepare(req, slot.ctx[:n])
+            if main_graph and not draw and self.speculator.room(req, slot.n_ctx - n - 2):
+                # the branch ids of its trees (the main sequence's branch 0 and the sampled
+                # branch ids) get the prompt's cells now: a tree's fork then copies only
+                # what the main sequence got since (each copy scans every cell of the
+                # cache, and copying the prompt's cells into an id used for the first time
+                # took 0.1-0.2 ms of a step's host time)
+                be.seq_share(slot.base, self.config.max_branches + 1, graph_first, True)
         x = sampler(last_logits)
         forcing = job.forcing
         if forcing is not None:
@@ -931,16 +938,22 @@ class Engine:
                     y = sampler(w.logits[0], int(got[0])) if kept else int(got[0])
             else:
                 lay = plan.tree.layout()
-                # sampled in the graph: a chain on the main sequence where that is sampled
-                # (no fork), any other tree on the sampled branch ids (not on the main
-                # sequence and its unsampled branches: a row whose first sequence has a
-                # sampler and another has none gets neither its token nor its logits right)
-                chain = main_graph and lay.n_branches == 1 and not draw
+                nb = lay.n_branches
+                # sampled in the graph: where the main sequence is sampled (not drawn), its
+                # branch 0 on the main sequence and the others on the sampled branch ids (a
+                # chain: no fork; each llama.cpp call of the fork and the commit scans every
+                # cell of the cache, one per branch id), a drawn tree all on the sampled
+                # branch ids (never on the main sequence's unsampled branch ids: a row whose
+                # first sequence has a sampler and another has none gets neither its token
+                # nor its logits right)
+                on_main = main_graph and not draw
+                chain = on_main and nb == 1
                 graph = (in_graph or draw) and not chain
                 first = graph_first if graph else slot.base
-                be.seq_fork(slot.base, lay.n_branches, first)
+                seqs = be.branch_seqs(slot.base, nb, first, on_main)
+                be.seq_fork(slot.base, nb, first, on_main)
                 try:
-                    w = _tree_work(lay, n, first, plan.pad, req.uses_index)
+                    w = _tree_work(lay, n, seqs, plan.pad, req.uses_index)
                     yield w
                     if draw:  # (rows kept on the sampled branch ids: drawn on the host)
                         path, y = walk_tree(plan.tree, w.logits.__getitem__, sampler)
@@ -951,10 +964,10 @@ class Engine:
                     else:
                         path, y = walk_tree(plan.tree, w.logits.__getitem__, sampler)
                 except BaseException:  # nothing of the tree may stay in the cache
-                    be.seq_abandon(slot.base, lay.n_branches, n, first)
+                    be.seq_abandon(slot.base, nb, n, first, on_main)
                     raise
-                be.seq_commit(slot.base, first + lay.seq_ids[path[-1]][0], n,
-                              n + len(path), lay.n_branches, first)
+                be.seq_commit(slot.base, seqs[lay.seq_ids[path[-1]][0]], n, n + len(path),
+                              nb, first, on_main)
                 path_tokens = [plan.tree.tokens[i] for i in path]
             tc = time.perf_counter()
 
@@ -1105,20 +1118,20 @@ class _Job:
         self.done = True
 
 
-def _tree_work(lay: TreeLayout, n: int, first: int, pad: int, capture: bool) -> Work:
-    """The Work that verifies a tree laid out from position n on branch sequences
-    first.., with `pad` dummy rows after it: copies of the root on branch 0 at the positions
+def _tree_work(lay: TreeLayout, n: int, seqs: list[int], pad: int, capture: bool) -> Work:
+    """The Work that verifies a tree laid out from position n, branch b on sequence
+    seqs[b], with `pad` dummy rows after it: copies of the root on branch 0 at the positions
     after its leaf, logits wanted (a step is cheaper with more rows where the matrix kernels
     take them in tiles: see cost.py). No node attends to them (they come later in their
     sequence) and committing the tree drops them with the rest of the branches."""
-    ids = [[first + b for b in ids] for ids in lay.seq_ids]
+    ids = [[seqs[b] for b in ids] for ids in lay.seq_ids]
     tokens, positions = lay.tokens, array("i", [n + d for d in lay.depths])
     if pad:  # (arrays, not numpy: the backend fills such a batch in one compiled call)
         leaf = next(node for node, b in lay.leaf_branch.items() if b == 0)
         after = n + lay.depths[leaf] + 1
         tokens = tokens + array("i", [tokens[0]]) * pad
         positions.extend(range(after, after + pad))
-        ids += [[first]] * pad
+        ids += [[seqs[0]]] * pad
     return Work(tokens, positions, ids, array("b", [1]) * len(tokens), capture)
 
 

@@ -995,22 +995,40 @@ class Backend:
     _NOT_SHARED = -2  # the `base` of an id whose cells are not known to be another's
 
     @staticmethod
-    def _branch_ids(base: int, n_branches: int, first: int | None) -> range | list[int]:
+    def _branch_ids(base: int, n_branches: int, first: int | None, with_base: bool = False
+                    ) -> range | list[int]:
         """A tree's branch sequence ids other than `base`: first..first+n_branches-1, where
-        first defaults to `base` (branch 0 is `base` itself)."""
+        first defaults to `base` (branch 0 is `base` itself); `with_base`: branch 0 is `base`
+        and branches 1.. are first, first+1, ... (first..first+n_branches-2)."""
         if first is None or first == base:
             return range(base + 1, base + n_branches)
+        if with_base:
+            return range(first, first + n_branches - 1)
         return [s for s in range(first, first + n_branches) if s != base]
 
-    def seq_fork(self, base: int, n_branches: int, first: int | None = None) -> None:
+    @staticmethod
+    def branch_seqs(base: int, n_branches: int, first: int | None, with_base: bool = False
+                    ) -> list[int]:
+        """The sequence id of each branch 0..n_branches-1 of a tree laid out as
+        `_branch_ids` says."""
+        if first is None or first == base:
+            return list(range(base, base + n_branches))
+        if with_base:
+            return [base, *range(first, first + n_branches - 1)]
+        return list(range(first, first + n_branches))
+
+    def seq_fork(self, base: int, n_branches: int, first: int | None = None,
+                 with_base: bool = False) -> None:
         """Make the branch ids first..first+n_branches-1 (default first = base: branch 0 is
-        `base` itself) hold sequence `base`'s cells: those it got since the id last did."""
-        if n_branches > self.config.max_branches + (first is None or first == base):
+        `base` itself; `with_base`: see `_branch_ids`) hold sequence `base`'s cells: those
+        it got since the id last did."""
+        if n_branches > self.config.max_branches + (first is None or first == base or
+                                                    with_base):
             raise ValueError(f"{n_branches} branches > max_branches + 1 "
                              f"({self.config.max_branches + 1})")
         L, mem, shares, lows = self._L, self.mem, self._shares, self._lows
         low = L.llama_memory_seq_pos_min(mem, base)
-        for s in self._branch_ids(base, n_branches, first):
+        for s in self._branch_ids(base, n_branches, first, with_base):
             of, end = shares.get(s, (base, 0))
             if of != base or (end and lows.get(s) != low):  # it held another sequence's
                 # cells, or `base` lost its first cells since it got them: start afresh
@@ -1020,38 +1038,51 @@ class Backend:
             shares[s] = (base, self._UNBOUNDED)
             lows[s] = low
 
+    def seq_share(self, base: int, n_branches: int, first: int | None = None,
+                  with_base: bool = False) -> None:
+        """`seq_fork` outside a tree: the branch ids get sequence `base`'s cells as they are
+        now (a prompt's, before its generation: a tree's fork then copies only the cells
+        `base` got since), and are known to hold them up to its end."""
+        self.seq_fork(base, n_branches, first, with_base)
+        end = self._L.llama_memory_seq_pos_max(self.mem, base) + 1
+        for s in self._branch_ids(base, n_branches, first, with_base):
+            self._shares[s] = (base, end)
+
     def seq_commit(self, base: int, winner: int, start: int, keep_until: int,
-                   n_branches: int, first: int | None = None) -> None:
+                   n_branches: int, first: int | None = None, with_base: bool = False
+                   ) -> None:
         """After a tree pass from position `start`: keep the cells of sequence `winner` (one
-        of the branch ids first..first+n_branches-1) up to `keep_until` as sequence `base`,
-        drop the rest the pass wrote. The branch ids keep the cells before `start`. Other
-        sequences (other slots) are untouched."""
+        of the tree's branch ids, laid out as `_branch_ids` says) up to `keep_until` as
+        sequence `base`, drop the rest the pass wrote. The branch ids keep the cells before
+        `start`. Other sequences (other slots) are untouched."""
         L, mem = self._L, self.mem
         # (each of these calls scans every cell of the cache: no call that would change
         # nothing is made)
         if winner != base:  # (the raw calls: the branch ids still hold the tree's cells)
-            if first is None or first == base:  # base holds branch 0's cells: they go
+            if first is None or first == base or with_base:  # base holds branch 0's
+                # cells: they go
                 self._check_rm(L.llama_memory_seq_rm(mem, base, start, -1), base, start)
             # (else the tree was all on other ids: base holds nothing from `start`)
             L.llama_memory_seq_cp(mem, winner, base, start, keep_until)  # the accepted
-        self._drop_tree(base, n_branches, start, first)
+        self._drop_tree(base, n_branches, start, first, with_base)
         if winner == base:  # its cells past the accepted ones go
             self._check_rm(L.llama_memory_seq_rm(mem, base, keep_until, -1), base,
                            keep_until)
 
-    def _drop_tree(self, base: int, n_branches: int, start: int, first: int | None) -> None:
+    def _drop_tree(self, base: int, n_branches: int, start: int, first: int | None,
+                   with_base: bool = False) -> None:
         """The cells of a tree pass from `start` dropped from its branch ids (not `base`)."""
         L, mem, shares = self._L, self.mem, self._shares
-        for s in self._branch_ids(base, n_branches, first):
+        for s in self._branch_ids(base, n_branches, first, with_base):
             L.llama_memory_seq_rm(mem, s, start, -1)
             of, end = shares.get(s, (base, 0))
             shares[s] = (of, min(end, start))
 
     def seq_abandon(self, base: int, n_branches: int, start: int,
-                    first: int | None = None) -> None:
+                    first: int | None = None, with_base: bool = False) -> None:
         """Undo a tree pass from position `start` that will not be committed (an error
         between fork and commit): the tree's cells go from the branch ids and `base`."""
-        self._drop_tree(base, n_branches, start, first)
+        self._drop_tree(base, n_branches, start, first, with_base)
         self._seq_rm(base, start)
 
     def continuable(self, seq: int, n: int) -> int:
