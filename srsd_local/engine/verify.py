@@ -44,6 +44,8 @@ class VerifyReport:
     plain_tokens: list[int] = field(default_factory=list)  # plain argmax at each mismatch
     drift: float = 0.0  # largest |one-token - batched| logit difference measured
     noise: float = 0.0  # largest change of a top-token gap between the two passes
+    # the drift of each batched layout alone: "4", "8", ... (batch sizes), "interleaved"
+    drift_by_layout: dict[str, float] = field(default_factory=dict)
 
     @property
     def worst_gap(self) -> float:
@@ -128,14 +130,19 @@ def verify_tokens(engine: Any, prompt: str | Sequence[int], tokens: Sequence[int
         # the same prefixes in batches of each size: the rounding noise of this run
         rest = tokens[:-1]
         drift = noise = 0.0
+        by_layout = report.drift_by_layout
+        layout = ""
 
         def compare(k: int, row: np.ndarray) -> None:  # row: position k + 1's, batched
             nonlocal drift, noise
             delta = row[cand[k]].astype(np.float64) - one_vals[k]
-            drift = max(drift, float(np.abs(delta).max()))
+            d = float(np.abs(delta).max())
+            drift = max(drift, d)
+            by_layout[layout] = max(by_layout.get(layout, 0.0), d)
             noise = max(noise, float(np.abs(delta[1:] - delta[0]).max(initial=0.0)))
 
         for chunk in chunks:
+            layout = str(chunk)
             be.trim(len(prompt_ids))
             for s in range(0, len(rest), chunk):
                 part = rest[s: s + chunk]
@@ -145,6 +152,7 @@ def verify_tokens(engine: Any, prompt: str | Sequence[int], tokens: Sequence[int
         if interleave and rest:  # the whole context again, sequence 1's cells between
             be.clear()  # sequence 0's (its rows are not read)
             ids, n0 = [*prompt_ids, *rest], len(prompt_ids)
+            layout = "interleaved"
             for s in range(0, len(ids), INTERLEAVE_CHUNK):
                 part = ids[s: s + INTERLEAVE_CHUNK]
                 m, at = len(part), list(range(s, s + len(part)))
