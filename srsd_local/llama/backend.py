@@ -996,15 +996,12 @@ class Backend:
 
     @staticmethod
     def _branch_ids(base: int, n_branches: int, first: int | None, with_base: bool = False
-                    ) -> range | list[int]:
+                    ) -> list[int]:
         """A tree's branch sequence ids other than `base`: first..first+n_branches-1, where
         first defaults to `base` (branch 0 is `base` itself); `with_base`: branch 0 is `base`
         and branches 1.. are first, first+1, ... (first..first+n_branches-2)."""
-        if first is None or first == base:
-            return range(base + 1, base + n_branches)
-        if with_base:
-            return range(first, first + n_branches - 1)
-        return [s for s in range(first, first + n_branches) if s != base]
+        seqs = Backend.branch_seqs(base, n_branches, first, with_base)
+        return seqs[1:] if seqs[0] == base else [s for s in seqs if s != base]
 
     @staticmethod
     def branch_seqs(base: int, n_branches: int, first: int | None, with_base: bool = False
