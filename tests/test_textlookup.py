@@ -104,6 +104,31 @@ def test_the_collapsed_text_follows_appends_and_cuts_across_piece_boundaries():
     assert flat_piece(b"\n\n  x  y", True) == b"x y" and flat_piece(b"\n", False) == b" "
 
 
+def test_the_collapsed_text_is_the_whole_text_collapsed_after_any_appends_and_cuts():
+    import random
+    import re
+
+    rng = random.Random(7)
+    alphabet = [b"", b" ", b"\n", b"\t ", b"x", b"y z", b"  w\n", b"\n\nv", b"u "]
+    vocab = {t: rng.choice(alphabet) for t in range(40)}
+    other = {t: vocab[(t + 1) % 40] for t in vocab}  # a second vocabulary, same ids
+    ct = ContextText()
+    toks: list[int] = []
+    for step in range(300):
+        piece = (vocab if step < 150 else other).__getitem__
+        if step == 150:
+            ct.cut(0)  # (a slot's text is cut before another model's tokens are kept)
+            toks = []
+        if rng.random() < 0.2:
+            del toks[rng.randrange(len(toks) + 1):]
+            ct.cut(len(toks))
+        toks += [rng.randrange(40) for _ in range(rng.randrange(1, 6))]
+        text = bytes(ct.sync(np.asarray(toks, np.int32), piece))
+        assert text == b"".join(piece(t) for t in toks)
+        assert bytes(ct.flat) == re.sub(rb"\s+", b" ", text)
+        assert ct.ends[-1] == len(text)
+
+
 def test_a_rewrapped_copy_is_drafted_from_the_collapsed_text():
     # a docstring wrapped over lines, quoted as one line: the exact text stops matching at
     # each line end, the collapsed text goes on
