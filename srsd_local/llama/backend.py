@@ -937,26 +937,39 @@ class Backend:
                 ) -> tuple[list[float], float, int]:
         """Step costs for the controller: seconds of one decode of n tokens (logits for
         all) for each n in sizes at a short context, plus seconds per (token x context
-        token) from the largest size at a long context. Uses and then clears the context."""
-        def timed(n: int, base: int, filler: list[int]) -> float:
-            times = []
-            for _ in range(reps + 1):  # the first is a warm-up
-                t0 = time.perf_counter()
-                res = self.decode([filler[1 + i % (len(filler) - 1)] for i in range(n)],
-                                  want_logits="all")
-                np.argmax(res.logits, axis=1)
-                times.append(time.perf_counter() - t0)
-                self.trim(base)
-            # the fastest repeat: other load on the machine only ever adds time (the
-            # controller refines these figures from real steps anyway)
-            return float(np.min(times[1:]))
+        token) from the largest size at a long context. Uses and then clears the context.
 
-        self.clear()
+        Each figure is the fastest of `reps` timings (other load on the machine only ever
+        adds time; the controller refines these figures from real steps anyway), taken in
+        rounds over all sizes after a warm-up round: a virtual machine's speed moves for
+        seconds at a time (t(16) measured 147 and 107 ms a few seconds apart on a 2-core
+        VM), and a slow spell then costs one round of every size instead of every timing
+        of the sizes it overlapped, which would bend the profile's shape."""
         text = "The quick brown fox jumps over the lazy dog. "
+        self.clear()
         filler = self.tokenize(text * 12)
         self.decode(filler, want_logits="none")
         ctx0 = self.n_past
-        short = [timed(n, ctx0, filler) for n in sizes]
+
+        def once(n: int, base: int) -> float:
+            t0 = time.perf_counter()
+            res = self.decode([filler[1 + i % (len(filler) - 1)] for i in range(n)],
+                              want_logits="all")
+            np.argmax(res.logits, axis=1)
+            seconds = time.perf_counter() - t0
+            self.trim(base)
+            return seconds
+
+        def fastest(ns: Sequence[int], base: int) -> list[float]:
+            best = [np.inf] * len(ns)
+            for r in range(max(reps, 1) + 1):  # round 0 is a warm-up
+                for i, n in enumerate(ns):
+                    t = once(n, base)
+                    if r:
+                        best[i] = min(best[i], t)
+            return [float(t) for t in best]
+
+        short = fastest(sizes, ctx0)
         per_kv = 0.0
         n_long = min(int(sizes[-1]), 32)
         long_ctx = min(long_ctx, self.n_ctx - n_long - 1)
@@ -964,7 +977,7 @@ class Backend:
             self.clear()
             many = self.tokenize(text * (long_ctx // 8 + 1))[:long_ctx]
             self.decode(many, want_logits="none")
-            t_long = timed(n_long, self.n_past, filler)
+            t_long = fastest([n_long], self.n_past)[0]
             t_short = float(np.interp(n_long, sizes, short))
             per_kv = max(0.0, (t_long - t_short) / (n_long * (self.n_past - ctx0)))
         self.clear()
