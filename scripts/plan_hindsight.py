@@ -39,18 +39,6 @@ class Candidate:
     plan: TokenTree | None  # what it verified of it (None: declined)
 
 
-def followed(tree: TokenTree, emitted: list[int]) -> int:
-    """Tokens of `tree` below its root that `emitted` (the tokens after the root) follows
-    in a row, down one path."""
-    node, n = 0, 0
-    for t in emitted:
-        nxt = tree.child(node, t)
-        if nxt is None:
-            break
-        node, n = nxt, n + 1
-    return n
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", default="text_edit,code_edit")
@@ -83,7 +71,7 @@ def main() -> None:
                     if c.at >= len(ctx) or ctx[c.at] != c.tree.tokens[0]:
                         continue  # (not on the context the generation kept)
                     after = ctx[c.at + 1:]
-                    got = followed(c.tree, after)
+                    got = len(c.tree.follow(after))
                     r["candidates"] += 1
                     if c.plan is None:
                         r["declined"] += 1
@@ -92,7 +80,7 @@ def main() -> None:
                     else:
                         r["verified"] += 1
                         r["followed in candidate"] += got
-                        r["followed in plan"] += followed(c.plan, after)
+                        r["followed in plan"] += len(c.plan.follow(after))
     speculator_mod.Speculator._decide = decide
 
     cols = ["candidates", "declined", "declined, followed >= 4", "declined, followed >= 8",

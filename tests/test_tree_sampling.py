@@ -25,6 +25,16 @@ def test_insert_shares_prefixes_and_accumulates_weight():
     assert t.child(0, 9) is None
 
 
+def test_follow_walks_the_tokens_down_one_path_until_a_miss():
+    t = TokenTree(5)
+    t.insert([1, 2, 3], 0.5)
+    t.insert([1, 4], 0.25)
+    n1 = t.child(0, 1)
+    assert t.follow([1, 2, 3]) == [n1, t.child(n1, 2), t.child(t.child(n1, 2), 3)]
+    assert t.follow([1, 4, 9, 2]) == [n1, t.child(n1, 4)]  # stops at the first miss
+    assert t.follow([2, 1]) == [] and t.follow([]) == []
+
+
 def test_prune_keeps_heaviest_connected_subtree_within_budget():
     t = TokenTree(0)
     t.insert([1, 2, 3, 4], 0.9)

@@ -278,14 +278,9 @@ class Speculator:
             return  # the context is not the one the tree was drafted on
         emitted = toks[n0 + 1:].tolist()
         emitted.append(int(inp.root))
-        on_path, node, open_end = {0}, 0, True
-        for t in emitted:
-            nxt = tree.child(node, t)
-            if nxt is None:
-                open_end = False
-                break
-            node = nxt
-            on_path.add(node)
+        path = tree.follow(emitted)
+        on_path, open_end = {0, *path}, len(path) == len(emitted)
+        node = path[-1] if path else 0
         parents = tree.parents
         nodes = [i for i in range(1, len(tree)) if parents[i] in on_path and i not in done
                  and not (open_end and parents[i] == node)]

@@ -85,6 +85,19 @@ class TokenTree:
     def children(self, node: int) -> list[int]:
         return list(self._children[node].values())
 
+    def follow(self, tokens: Sequence[int]) -> list[int]:
+        """The nodes below the root that `tokens` (what came after the root) go through in
+        a row, down one path, until one of them is no child."""
+        path, kids = [], self._children
+        node = 0
+        for t in tokens:
+            nxt = kids[node].get(int(t))
+            if nxt is None:
+                break
+            node = nxt
+            path.append(node)
+        return path
+
     def n_leaves(self) -> int:
         """Nodes without children (the root alone counts as one)."""
         return sum(1 for kids in self._children if not kids)
