@@ -17,7 +17,7 @@ from srsd_local.spec.acceptance import AcceptanceModel, NodeEvidence, evidence
 from srsd_local.spec.cost import CostModel
 from srsd_local.spec.draft import Drafter, DraftInput
 from srsd_local.spec.planner import choose
-from srsd_local.spec.speculator import Speculator
+from srsd_local.spec.speculator import MAX_SKIP, Speculator
 from srsd_local.spec.tree import TokenTree
 
 
@@ -495,6 +495,19 @@ def test_a_sampled_request_backed_off_leaves_its_plain_steps_out_of_the_index():
     assert spec.skips(sampled) and not spec.indexes(sampled)  # one more skip follows
     assert spec.skips(sampled) and spec.indexes(sampled)  # the next step drafts: its query
     assert not spec.indexes(spec.begin("ar", greedy=True))  # (no index at all)
+
+
+def test_back_off_doubles_up_to_its_cap_and_a_verified_tree_resets_it():
+    spec = Speculator(SRSDConfig())
+    req = spec.begin("srsd", greedy=True)
+    waits = []
+    for _ in range(8):
+        spec._back_off(req, False)
+        waits.append(req.skip)
+    assert waits == [1, 2, 4, 8, 16, 16, 16, 16] and MAX_SKIP == 16
+    assert sum(spec.skips(req) for _ in range(20)) == 16  # each skipped step counts down
+    spec._back_off(req, True)
+    assert req.declined == 0 and req.skip == 0
 
 
 class _CountingDrafter(_FixedDrafter):

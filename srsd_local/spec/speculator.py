@@ -44,7 +44,7 @@ from .tree import TokenTree
 
 RECENT_RATE = 0.3  # EMA weight of the last verified tree's outcome
 RECENT_DRIFT = 0.05  # per plain step, towards neutral, so drafting gets retried
-MAX_SKIP = 8  # steps without drafting after plans kept being declined
+MAX_SKIP = 16  # steps without drafting after plans kept being declined
 EXPLORE_GAP = 50  # steps between plans that try a stale cost estimate optimistically ...
 MAX_EXPLORE_GAP = 3200  # ... doubled after each such plan, up to this, until a surprise
 EXPLORE_AFTER_SURPRISE = 4  # plans that do so after a step far faster than its estimate
