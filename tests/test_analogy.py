@@ -241,3 +241,39 @@ def test_a_paragraph_the_examples_copied_whole_is_copied_whole_across_its_line_b
     [(toks, _, _)] = drafter.propose(byte_input(two + current + b'{"name": "which", "summary": ',
                                                 ord('"')))
     assert bytes(list(toks)).startswith(b"Given a command, return the path which conforms")
+
+
+def test_a_resumed_chain_takes_the_tail_of_its_last_tokens_instead_of_tokenizing_again():
+    calls: list[bytes] = []
+
+    def counted(text: bytes, root: int) -> DraftInput:
+        inp = byte_input(text, root)
+        inp.tokenize = lambda b: calls.append(bytes(b)) or list(bytes(b))
+        return inp
+
+    drafter = AnalogyDrafter(SRSDConfig(draft_depth=32))
+    ctx, root = TWO + CURRENT + b'{"name": "', ord("s")
+    [(toks, _, _)] = drafter.propose(counted(ctx, root))
+    drafts = []
+    for took in (3, 4, 2):  # the model takes that many drafted tokens, then the next one
+        ctx, root = ctx + bytes([root, *toks[:took]]), toks[took]
+        [(toks, _, _)] = drafter.propose(counted(ctx, root))
+        drafts.append(bytes(toks))
+        if took == 3:
+            tokenized = len(calls)  # (this resumption extended the chain: tokenized)
+    assert drafts == [b'en", "signature": "shorten(text,', b'"signature": "shorten(text, widt',
+                      b'gnature": "shorten(text, width)"']
+    assert len(calls) == tokenized  # the next two steps along the chain: no tokenizer call
+
+
+def test_the_tail_of_the_last_tokens_serves_only_where_the_output_took_whole_tokens():
+    calls: list[bytes] = []
+    inp = byte_input(b"xyz", ord("a"))
+    inp.tokenize = lambda b: calls.append(bytes(b)) or list(bytes(b))
+    inp.piece = lambda t: b"ab" if t == 1000 else bytes([t])
+    drafter = AnalogyDrafter(SRSDConfig())
+    drafter._rest = (b"abcd", [1000, ord("c"), ord("d")])
+    assert drafter._rest_tokens(b"cd", inp) == [ord("c"), ord("d")] and not calls
+    drafter._rest = (b"abcd", [1000, ord("c"), ord("d")])
+    assert drafter._rest_tokens(b"bcd", inp) == list(b"bcd") and calls == [b"bcd"]
+    assert drafter._rest_tokens(b"zz", inp) == list(b"zz") and calls[-1] == b"zz"

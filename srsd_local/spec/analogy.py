@@ -146,6 +146,8 @@ class AnalogyDrafter(Drafter):
         # the last chain drafted: (the text it followed, its bytes, its first analogy, whether
         # its end may cut a token)
         self._chain: tuple[bytes, bytes, Analogy, bool] | None = None
+        # the rest of that chain last tokenized, and its tokens (see _rest_tokens)
+        self._rest: tuple[bytes, list[int]] = (b"", [])
 
     def propose(self, inp: DraftInput) -> list[Proposal]:
         text = inp.text
@@ -226,10 +228,29 @@ class AnalogyDrafter(Drafter):
             # the chain stopped at its length limit where the example went on: go on
             draft, cut = self._chained(base, draft, find_analogy(base + draft))
             self._chain = (base, draft, found, cut)
-        assert inp.tokenize is not None
         # the tokens of the rest begin where `done` ends (the root's or a forced token's end)
-        toks = list(inp.tokenize(draft[len(done):]))
+        toks = self._rest_tokens(draft[len(done):], inp)
         return self._proposal(prefix + (toks[:-1] if cut else toks), len(prefix), found)
+
+    def _rest_tokens(self, rest: bytes, inp: DraftInput) -> list[int]:
+        """The tokens of `rest`, the chain's text still ahead: where the output took whole
+        tokens of the rest tokenized last time, the tail of those tokens (one chain is
+        resumed step after step, and tokenizing what is left of it again took most of a
+        resumed draft's time); else tokenized afresh."""
+        last, toks = self._rest
+        skip = len(last) - len(rest)
+        if skip >= 0 and last.endswith(rest):
+            i = taken = 0
+            while taken < skip and i < len(toks):  # the tokens the output took
+                taken += len(inp.piece(toks[i]))
+                i += 1
+            if taken == skip:
+                self._rest = (rest, toks[i:])
+                return toks[i:]
+        assert inp.tokenize is not None
+        got = list(inp.tokenize(rest))
+        self._rest = (rest, got)
+        return got
 
 
 def _usable(found: Analogy | None) -> TypeGuard[Analogy]:
