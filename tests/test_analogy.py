@@ -272,8 +272,8 @@ def test_the_tail_of_the_last_tokens_serves_only_where_the_output_took_whole_tok
     inp.tokenize = lambda b: calls.append(bytes(b)) or list(bytes(b))
     inp.piece = lambda t: b"ab" if t == 1000 else bytes([t])
     drafter = AnalogyDrafter(SRSDConfig())
-    drafter._rest = (b"abcd", [1000, ord("c"), ord("d")])
+    drafter._rest = (b"abcd", [1000, ord("c"), ord("d")], {0: 0, 2: 1, 3: 2})
     assert drafter._rest_tokens(b"cd", inp) == [ord("c"), ord("d")] and not calls
-    drafter._rest = (b"abcd", [1000, ord("c"), ord("d")])
+    drafter._rest = (b"abcd", [1000, ord("c"), ord("d")], {0: 0, 2: 1, 3: 2})
     assert drafter._rest_tokens(b"bcd", inp) == list(b"bcd") and calls == [b"bcd"]
     assert drafter._rest_tokens(b"zz", inp) == list(b"zz") and calls[-1] == b"zz"

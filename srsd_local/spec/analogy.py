@@ -23,7 +23,7 @@ from typing import TypeGuard
 
 from ..config import SRSDConfig
 from .draft import ANALOGY, Drafter, DraftInput, Proposal
-from .textlookup import longest_found, longest_repeat, source_tokens
+from .textlookup import longest_found, longest_repeat, source_tokens, token_starts
 
 MIN_SUFFIX = 8  # bytes of the current suffix that must repeat (the example's "key")
 CONFIRM = 16  # bytes of it looked for in the other examples (they may differ before)
@@ -146,8 +146,9 @@ class AnalogyDrafter(Drafter):
         # the last chain drafted: (the text it followed, its bytes, its first analogy, whether
         # its end may cut a token)
         self._chain: tuple[bytes, bytes, Analogy, bool] | None = None
-        # the rest of that chain last tokenized, and its tokens (see _rest_tokens)
-        self._rest: tuple[bytes, list[int]] = (b"", [])
+        # the rest of that chain last tokenized: its bytes, its tokens and where they start
+        # (see _rest_tokens)
+        self._rest: tuple[bytes, list[int], dict[int, int]] = (b"", [], {})
 
     def propose(self, inp: DraftInput) -> list[Proposal]:
         text = inp.text
@@ -237,19 +238,14 @@ class AnalogyDrafter(Drafter):
         tokens of the rest tokenized last time, the tail of those tokens (one chain is
         resumed step after step, and tokenizing what is left of it again took most of a
         resumed draft's time); else tokenized afresh."""
-        last, toks = self._rest
-        skip = len(last) - len(rest)
-        if skip >= 0 and last.endswith(rest):
-            i = taken = 0
-            while taken < skip and i < len(toks):  # the tokens the output took
-                taken += len(inp.piece(toks[i]))
-                i += 1
-            if taken == skip:
-                self._rest = (rest, toks[i:])
-                return toks[i:]
-        assert inp.tokenize is not None
+        last, toks, starts = self._rest
+        skip = len(last) - len(rest)  # (the bytes the output took since)
+        k = starts.get(skip) if skip >= 0 and last.endswith(rest) else None
+        if k is not None:
+            return toks[k:]
+        assert inp.tokenize is not None and inp.piece is not None
         got = list(inp.tokenize(rest))
-        self._rest = (rest, got)
+        self._rest = (rest, got, token_starts(got, inp.piece))
         return got
 
 

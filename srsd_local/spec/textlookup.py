@@ -365,10 +365,16 @@ class TokenCache:
         toks = tokenize_words(cont, tokenize, self._memo)
         if not whole:
             toks = toks[:-1]
-        if piece is not None:  # where each token starts in cont -> its index
-            at, off = {}, 0
-            for i, t in enumerate(toks):
-                at[off] = i
-                off += len(piece(t))
-            self._items.append((start, cont, toks, at))
+        if piece is not None:
+            self._items.append((start, cont, toks, token_starts(toks, piece)))
         return toks
+
+
+def token_starts(toks: Sequence[int], piece: Callable[[int], bytes]) -> dict[int, int]:
+    """Where each of `toks` starts in their text (its byte offset -> its index): a text
+    from one of those offsets on is the tail of `toks` from that index."""
+    at, off = {}, 0
+    for i, t in enumerate(toks):
+        at[off] = i
+        off += len(piece(t))
+    return at
