@@ -13,6 +13,7 @@ from typing import Any
 
 MODES = ("ar", "pld", "ngram", "retrieval", "srsd", "hybrid")
 INDEX_BACKENDS = ("auto", "faiss-gpu", "faiss-cpu", "numpy")
+MAX_PLAIN_RUN = 64  # SRSDConfig.plain_run at most (the compiled run's buffer)
 RETRIEVAL_SEARCHES = ("next", "all")
 
 
@@ -195,6 +196,12 @@ class SRSDConfig:
     # log-probabilities, still get them). True / False: on / off; None (auto): on where the
     # sequence ids allow it (a second block of branch ids per slot)
     sample_in_graph: bool | None = None
+    # plain steps of a greedy request decoded one after the other in one compiled call, each
+    # on the token the last one took in the graph, where nothing is to be looked at between
+    # them (no drafting due, no other request in the pass, no stop string, grammar or
+    # log-probabilities): at most this many (1: every step returns to Python). The output is
+    # the same; its events then carry up to this many tokens each.
+    plain_run: int = 8
     # n-gram drafter (in srsd/hybrid trees, and as mode "pld")
     ngram_max: int = 4
     ngram_min: int = 1
@@ -247,6 +254,7 @@ class SRSDConfig:
         _check(isinstance(self.adaptive, bool), "adaptive", self.adaptive, "True or False")
         _check(self.sample_in_graph is None or isinstance(self.sample_in_graph, bool),
                "sample_in_graph", self.sample_in_graph, "True, False or None (auto)")
+        _int("plain_run", self.plain_run, 1, MAX_PLAIN_RUN)
         _int("ngram_max", self.ngram_max, 1, 64)
         _int("ngram_min", self.ngram_min, 1, self.ngram_max)
         _int("ngram_matches", self.ngram_matches, 1, 64)

@@ -159,6 +159,17 @@ def test_a_plain_step_observed_by_its_fast_path_counts_as_observe_step_counts_it
     assert b.host_ms_plain == pytest.approx(0.7) and b.mean_accepted_length == 0.0
 
 
+def test_a_run_of_plain_steps_counts_as_that_many_plain_steps():
+    # k plain steps decoded in one call: k steps of one token each, their host time shared
+    a, b = GenerationStats(mode="ar"), GenerationStats(mode="ar")
+    for _ in range(8):
+        a.observe_plain(0.0, 0.01, 0.0, 0.0001)
+    b.observe_plain(0.0, 0.08, 0.0, 0.0008, 8)
+    assert a.steps == b.steps == 8 and a.tokens_per_step == b.tokens_per_step == [1] * 8
+    assert a.tree_sizes == b.tree_sizes and b.host_ms_plain == pytest.approx(0.1)
+    assert b.time_verify == pytest.approx(a.time_verify)
+
+
 def test_host_per_tree_of_9_to_16_nodes_counts_only_those_trees():
     s = GenerationStats(mode="srsd")
     for decoded, host in ((5, 0.002), (9, 0.003), (16, 0.005), (17, 0.009), (40, 0.02)):

@@ -197,6 +197,39 @@ def test_plain_steps_rescale_the_profile():
     assert dear.t(2) == pytest.approx(2 * dear.t(1)) and dear.t(1) > 0.015
 
 
+def test_a_run_of_plain_steps_rescales_the_profile_as_its_steps_one_by_one_would():
+    # a run of k plain steps decoded in one call is observed once, as k steps of its mean
+    # time: the profile and the step count end where k observations of that time leave them
+    for k, seconds in ((1, 0.012), (5, 0.012), (8, 0.0105), (16, 0.02), (3, 0.004)):
+        one, run = CostModel([1, 2, 16], [0.010, 0.018, 0.05]), \
+            CostModel([1, 2, 16], [0.010, 0.018, 0.05])
+        for _ in range(k):
+            one.observe_plain(seconds, 300)
+        run.observe_plain(seconds, 300, k)
+        assert run.steps == one.steps == k and run.surprises == one.surprises
+        assert run.t(1) == pytest.approx(one.t(1), rel=1e-9)
+        assert run.t(16) == pytest.approx(one.t(16), rel=1e-9)
+        assert run.t(1) != pytest.approx(0.010, rel=1e-3)  # (it did move)
+
+
+def test_a_run_of_plain_steps_leaves_the_request_as_its_steps_one_by_one_would():
+    # the engine reports a run of k plain steps as one plain step whose path has k entries:
+    # the controller's recent rate drifts k times, and the k - 1 steps after the first are
+    # those it would have skipped (a back-off after k - 1 skips)
+    spec = Speculator(SRSDConfig(mode="srsd"))
+    for skip, k in ((0, 1), (7, 8), (7, 3), (15, 16)):
+        one, run = spec.begin("srsd", True), spec.begin("srsd", True)
+        for req in (one, run):
+            req.recent, req.skip, req.copy_at = 0.9, skip, 5
+        spec.observe(one, None, [0])
+        for _ in range(k - 1):
+            assert spec.skips(one)
+            spec.observe(one, None, [0])
+        spec.observe(run, None, list(range(k)))
+        assert run.recent == pytest.approx(one.recent, rel=1e-12) and run.recent < 0.9
+        assert run.skip == one.skip == skip - (k - 1) and run.copy_at is None
+
+
 def test_stale_sizes_get_an_optimistic_guess_only_when_exploring():
     c = CostModel([1, 2, 16], [0.010, 0.018, 0.160])
     assert c.can_explore(16)

@@ -154,6 +154,49 @@ def test_rows_written_at_the_stage_address_are_indexed_like_rows_added():
     with pytest.raises(ValueError, match="full"):
         full.add_staged(1)
 
+def test_a_runs_rows_written_at_the_stage_address_are_indexed_like_rows_added():
+    # a run of plain steps writes its captured rows one after the other from
+    # `stage_address(k)` and the engine calls `add_staged(position, k)`: the index holds what
+    # `add` of the same rows would (runs of every length up to the pending rows' room, the
+    # pending rows stored when a run would not fit, growth past the first buffers, searches
+    # in between); the returned row is the run's last; bad sizes raise
+    import ctypes
+
+    from srsd_local.spec.index import MAX_PENDING
+
+    rng = np.random.default_rng(7)
+    x = _data(1500, seed=5) + 0.5
+    added, staged = VectorIndex(32, 1600, "numpy"), VectorIndex(32, 1600, "numpy")
+    added.add(x[:1], 0)  # (both centred on one row)
+    at = staged.stage_address(1)
+    ctypes.memmove(at, x[0].ctypes.data, x[0].nbytes)
+    staged.add_staged(0, 1)
+    pos, sizes = 1, set()
+    while pos < 1500:
+        k = min(int(rng.choice([1, 2, 3, 8, 17, MAX_PENDING])), 1500 - pos)
+        sizes.add(k)
+        added.add(x[pos: pos + k], pos)
+        at = staged.stage_address(k)
+        ctypes.memmove(at, x[pos: pos + k].ctypes.data, x[pos: pos + k].nbytes)
+        row = staged.add_staged(pos, k)
+        assert np.array_equal(row, x[pos + k - 1])
+        assert staged._staged <= MAX_PENDING
+        pos += k
+        if rng.random() < 0.05:
+            a, b = staged.search(x[pos - 3], 4), added.search(x[pos - 3], 4)
+            assert a.positions.tolist() == b.positions.tolist()
+    assert {1, MAX_PENDING} <= sizes
+    _assert_same_rows(staged, added, 1500)
+    for bad in (0, MAX_PENDING + 1):
+        with pytest.raises(ValueError, match="rows to stage: accepted are 1 to"):
+            staged.stage_address(bad)
+    small = VectorIndex(32, 4, "numpy")
+    small.add(x[:2], 0)
+    small.stage_address(3)
+    with pytest.raises(ValueError, match="full"):
+        small.add_staged(2, 3)
+
+
 @pytest.mark.parametrize("compiled", [True, False])
 def test_a_paths_rows_are_indexed_like_the_same_rows_added(compiled):
     # a tree step indexes the rows of its accepted path (node indices into the pass's rows,

@@ -349,11 +349,11 @@ def test_in_graph_tokens_of_a_batch_split_into_several_llama_decode_calls(model_
 
 def test_a_greedy_request_is_sampled_in_graph_on_its_main_sequence(model_path, monkeypatch):
     """By default (on a CPU too): a greedy request's main sequence carries a greedy sampler,
-    so its plain steps and its chains come back as token ids (no logits row copied out, no
-    fork), its other trees with branch 0 there too and the other branches on the sampled
-    branch ids; the prompt's last row still has its
-    logits copied out (kept for a repeat of the prompt in any mode); a request that needs the
-    logits takes the sampler off first. Outputs are plain decoding's."""
+    so its plain steps (one by one or in runs) and its chains come back as token ids (no
+    logits row copied out, no fork), its other trees with branch 0 there too and the other
+    branches on the sampled branch ids; the prompt's last row still has its logits copied
+    out (kept for a repeat of the prompt in any mode); a request that needs the logits takes
+    the sampler off first. Outputs are plain decoding's."""
     import numpy as np
 
     from srsd_local.engine import Engine
@@ -373,7 +373,19 @@ def test_a_greedy_request_is_sampled_in_graph_on_its_main_sequence(model_path, m
             assert out.sampled is None or np.isnan(out.logits).all()
             return out
 
+        step_run = be.step_run
+
+        def counting_run(token, pos, seq, n, *rest):  # (a run of plain steps: each a token)
+            out = step_run(token, pos, seq, n, *rest)
+            calls["plain"] += len(out.sampled)
+            calls["rows"] += len(out.sampled)
+            calls["runs"] += 1
+            assert 1 <= len(out.sampled) <= n and min(out.sampled) >= 0
+            return out
+
         monkeypatch.setattr(be, "step_at", counting_step)
+        monkeypatch.setattr(be, "step_run", counting_run)
+        calls["runs"] = 0
         forks: list[tuple[int, int, bool, int]] = []  # per tree: branches, first id, with
         # the main sequence as branch 0, copies
         seq_cp, seq_fork = L.llama_memory_seq_cp, be.seq_fork
@@ -406,6 +418,7 @@ def test_a_greedy_request_is_sampled_in_graph_on_its_main_sequence(model_path, m
         stats = [o.stats for o in outs.values()]
         plain = sum(s.steps - s.drafts - 1 for s in stats)  # (the prompt's pass is a step)
         assert calls["plain"] == calls["rows"] == plain > 0  # every plain step: a token
+        assert calls["runs"] > 0  # (the steps a back-off skips go as runs)
         assert be.graph_rows - rows0 >= plain + 2 * sum(s.drafts for s in stats)
         # chains (one branch) are verified on the main sequence itself, without a copy of
         # it; a tree of b branches has its branch 0 there too and the others on the sampled

@@ -508,7 +508,7 @@ class Engine:
             if job.cancelled:
                 self._retire(job)
                 continue
-            job.batch_offset, job.batch_gain = offset, gain
+            job.batch_offset, job.batch_gain, job.solo = offset, gain, False
             job.may_prefill_all = decoding == 0 or (decoding == 1 and job.decoding)
             job.may_prefill = not chunk_taken
             if not job.decoding:
@@ -531,7 +531,7 @@ class Engine:
             self._retire(job)
             return _Pass([], t0)
         job.batch_offset, job.batch_gain = 0, 0.0
-        job.may_prefill_all = job.may_prefill = True
+        job.may_prefill_all = job.may_prefill = job.solo = True
         work = self._resume(job)
         return _Pass([(job, work)] if work is not None and len(work) else [], t0)
 
@@ -597,8 +597,10 @@ class Engine:
         if replay is not None:  # (a recorded or replayed generation: see replay.py)
             replay.take_seconds()
         try:
-            out = be.step_at(int(w.tokens[0]), int(w.positions[0]), w.seq_ids[0][0],
-                             w.capture, w.stage)
+            out = (be.step_at(int(w.tokens[0]), int(w.positions[0]), w.seq_ids[0][0],
+                              w.capture, w.stage) if w.run == 1 else
+                   be.step_run(int(w.tokens[0]), int(w.positions[0]), w.seq_ids[0][0],
+                               w.run, w.capture, w.stage))
         except BaseException as exc:  # noqa: BLE001 - delivered to the request's caller
             job.fail(exc, throw=True)
             return
@@ -609,7 +611,11 @@ class Engine:
             # replayed: what the recorded pass took, so that the decisions repeat
             seconds = (time.perf_counter() - t0 if replay is None else
                        replay.take_seconds())
-            self.speculator.observe_plain_cost(seconds, ctx)
+            if w.run == 1:
+                self.speculator.observe_plain_cost(seconds, ctx)
+            else:  # (a run: each of its steps took its share)
+                k = len(out.sampled)
+                self.speculator.observe_plain_cost(seconds / k, ctx + (k - 1) // 2, k)
 
     def _chunk_size(self, decoding_tokens: int) -> int:
         """Prompt tokens to prefill next to `decoding_tokens` of other requests: the
@@ -842,6 +848,11 @@ class Engine:
         drawing = be.draw_state(slot.base) if draw and main_graph else None
         draw = drawing is not None
         graph_first = branches if in_graph or draw else slot.base
+        # greedy plain steps whose token the graph takes, with no stop string to watch: a
+        # plain step of this request alone in its pass may go on as a run of them in one
+        # compiled call, as long as nothing is to be drafted or checked in between
+        runs = (self.config.plain_run if main_graph and not draw and not kept and
+                job.forcing is None and not job.stops and be.can_run(slot.base) else 1)
 
         # 1. prefill
         t0 = time.perf_counter()
@@ -890,6 +901,7 @@ class Engine:
             n = slot.n_past
             ta = time.perf_counter()
             room = 0 if self.plain_only else self.speculator.room(req, slot.n_ctx - n - 2)
+            drafting = room > 0  # (else no step of this generation drafts from now on)
             plan = None
             if room and forcing is None and req.copy_at is not None:  # a copy run goes
                 # on: its chain, no drafting (not in one: nothing to slice or look up)
@@ -919,16 +931,24 @@ class Engine:
 
             # 4. verify in the shared forward pass and walk the tree
             if plan is None:
+                run = 1
+                if runs > 1 and job.solo:  # this step, and those the controller skips
+                    # after it (all, where nothing drafts), within max_tokens and the context
+                    run = min(1 + req.skip if drafting else runs, runs,
+                              job.max_tokens - emit.count, slot.n_ctx - n)
                 w = Work([x], [n], [[slot.base]], [1],  # no arrays: hot path
-                         self.speculator.indexes(req))
-                if w.capture:  # its row straight into the index
-                    w.stage = slot.index.stage_address()
+                         self.speculator.indexes(req), run=run)
+                if w.capture:  # its rows straight into the index
+                    w.stage = slot.index.stage_address(run)
                 if draw:  # the draw this row takes, drawn now
                     drawing.u = sampler.uniform()
                 yield w
                 got = w.sampled  # (in a batch with other requests: -1 for this row
                 path, path_tokens = [0], [x]  # where this request's rows are not sampled)
-                if draw:
+                if run > 1:  # the run's steps: each decoded the token the last one took
+                    k = len(got)
+                    path, path_tokens, y = list(range(k)), [x, *got[: k - 1]], got[k - 1]
+                elif draw:
                     if got is None or got[0] < 0:
                         raise DecodeError("llama.cpp's graph drew no token for a sampled row")
                     y = int(got[0])
@@ -978,7 +998,9 @@ class Engine:
             else:
                 slot.ctx[n: n + len(path)] = path_tokens
             if w.staged:  # a plain step's row, in the index's pending rows already
-                slot.last_hidden = slot.index.add_staged(n)
+                slot.last_hidden = slot.index.add_staged(n, w.staged)
+                if w.hidden is not None:  # (a run's last row, where it was not staged)
+                    slot.last_hidden = slot.index.add_path(w.hidden, [0], n + w.staged)
             elif req.uses_index and w.hidden is not None:  # (the rows are this step's own,
                 # a tree's a view of the capture's buffer; the last row's copy in the index)
                 slot.last_hidden = slot.index.add_path(w.hidden, path, n)
@@ -987,7 +1009,7 @@ class Engine:
             host = (td - t_end) - w.decode_seconds - (job.outside - out_end)
             t_end, out_end = td, job.outside
             if plan is None:
-                stats.observe_plain(tb - ta, tc - tb, td - tc, host)
+                stats.observe_plain(tb - ta, tc - tb, td - tc, host, len(path))
             else:  # the forecast (if the controller made one) covers the drafted nodes
                 t = plan.tree
                 stats.observe_step(len(t), len(path) - 1, drafted=t.n_draft,
@@ -999,7 +1021,7 @@ class Engine:
             if forcing is not None:
                 forcing.emitted(b"".join(be.piece(t) for t in pending).decode("utf-8",
                                                                               "replace"))
-            drafted = [True] * (len(path) - 1) + [False]
+            drafted = [plan is not None] * (len(path) - 1) + [False]
             if n_lp is not None:  # pending[i] was drawn from the row of node path[i]
                 lps = [token_logprob(w.logits[node], tok, n_lp)
                        for node, tok in zip(path, pending)]
@@ -1093,6 +1115,7 @@ class _Job:
         # set by the scheduler before each resume
         self.batch_offset, self.batch_gain = 0, 0.0
         self.may_prefill = self.may_prefill_all = True
+        self.solo = False  # alone in the next pass (its plain steps may go as a run)
         self.chunk = CHUNK_MAX  # prompt tokens this request may prefill in the next pass
         self.expected_tokens = 1.0  # what this request's Work is expected to emit
         self.outside = 0.0  # seconds its caller spent on its events (not engine overhead)

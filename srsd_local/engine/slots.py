@@ -91,7 +91,12 @@ class Work:
     # a plain step: where its captured row may be written (an address, the index's next
     # pending row; 0: nowhere), and whether it was (then `hidden` is None)
     stage: int = 0
-    staged: bool = False
+    staged: int = 0
+    # a plain step that may go on as a run of up to this many plain steps in one compiled
+    # call, each decoding the token the last one took in the graph (`sampled` then holds
+    # every step's token, `staged` how many of their rows went to `stage`, the first ones,
+    # and `hidden` the last one's row where it did not)
+    run: int = 1
 
     def __len__(self) -> int:
         return len(self.tokens)

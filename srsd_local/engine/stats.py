@@ -73,12 +73,18 @@ class GenerationStats:
         else:
             self.host_plain += host
 
-    def observe_plain(self, draft: float, verify: float, index: float, host: float) -> None:
+    def observe_plain(self, draft: float, verify: float, index: float, host: float,
+                      count: int = 1) -> None:
         """`observe_step` of a plain step (one token decoded, nothing drafted verified):
-        the decode loop's call on most steps, without keywords."""
-        self.steps += 1
-        self.tokens_per_step.append(1)
-        self.tree_sizes.append(1)
+        the decode loop's call on most steps, without keywords; `count` such steps (a run
+        decoded in one call) took these times together."""
+        self.steps += count
+        if count == 1:
+            self.tokens_per_step.append(1)
+            self.tree_sizes.append(1)
+        else:
+            self.tokens_per_step.extend([1] * count)
+            self.tree_sizes.extend([1] * count)
         self.time_draft += draft
         self.time_verify += verify
         self.time_index += index

@@ -507,6 +507,63 @@ int32_t srsd_step_one(struct step *s, int32_t token, int32_t pos, int32_t seq,
     return rc;
 }
 
+/* Up to n plain steps of one sequence in one call, each decoding the token the step before
+ * it sampled in the graph: `token` at `pos`, then its sampled token at pos + 1, and so on
+ * (each step as srsd_step_one with want_sampled; the sequence must have an in-graph
+ * sampler). out[i] gets step i's sampled token. The run stops early after a step whose token
+ * is an end of generation (is_eog(vocab, token)), after a step whose captured row could not
+ * be staged, or at a failed llama_decode (its return code comes back; out holds the steps
+ * before it). s->token: the steps done; s->staged: how many of their captured rows were
+ * copied to stage + i * n_embd (the first ones, when `stage` and `capture`); s->seconds:
+ * llama_decode and llama_synchronize over all steps. From Python, n plain steps are then
+ * one call, without the return into the interpreter after each forward pass. */
+typedef bool (*is_eog_fn)(const void *vocab, int32_t token);
+
+int32_t srsd_step_run(struct step *s, int32_t token, int32_t pos, int32_t seq,
+                      int32_t capture, int32_t n, float *stage, int32_t *out,
+                      is_eog_fn is_eog, const void *vocab) {
+    struct batch *b = s->batch;
+    double seconds = 0.0;
+    int32_t done = 0, staged = 0, rc = 0;
+    bool staging = stage && s->cap_enabled && capture;
+    while (done < n) {
+        b->n_tokens = 1;
+        b->token[0] = token;
+        b->pos[0] = pos + done;
+        b->logits[0] = 1;
+        b->n_seq_id[0] = 1;
+        b->seq_id[0][0] = seq;
+        if (s->cap_enabled) {
+            *s->cap_enabled = capture;
+            *s->cap_used = 0;
+            *s->cap_rows = 0;
+            *s->cap_overflow = 0;
+        }
+        const double t0 = now();
+        rc = s->decode(s->ctx, *b);
+        if (rc == 0) s->sync(s->ctx);
+        seconds += now() - t0;
+        if (rc != 0) break;
+        token = s->sampled(s->ctx, 0);
+        out[done++] = token;
+        if (staging) {
+            if (*s->cap_rows == 1 && !*s->cap_overflow && *s->cap_type == 0 &&
+                    *s->cap_ne0 == s->n_embd) {
+                memcpy(stage + (size_t)staged * (size_t)s->n_embd, *s->cap_buf,
+                       (size_t)s->n_embd * sizeof(float));
+                ++staged;
+            } else {
+                break; /* this step's row stays in the capture's buffer */
+            }
+        }
+        if (token < 0 || is_eog(vocab, token)) break;
+    }
+    s->seconds = seconds;
+    s->token = done;
+    s->staged = staged;
+    return rc;
+}
+
 /* A batch's pass in one call, its rows filled already (srsd_fill_batch): the compiled
  * capture emptied (its on/off switch is left as set), llama_decode and llama_synchronize
  * (timed: s->seconds), then into out[k] the in-graph sampled token of batch row rows[k] (-1

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..config import MAX_PLAIN_RUN as MAX_RUN
 from ..config import SRSDConfig, environment
 from .capture import CompiledCapture, HiddenCapture, make_capture, resolve_layer
 from .cpubufs import cpu_features, use_extra_buffer_types
@@ -28,6 +29,7 @@ from .graph_argmax import (
     make_sampler,
     plain_stepper,
     rows_stepper,
+    run_stepper,
     sampled_reader,
 )
 from .replay import PassReplay
@@ -163,9 +165,9 @@ class DecodeOutput:
     # per output row: the token llama.cpp's in-graph greedy sampler took (-1: the row's first
     # sequence has none); None when no row had one
     sampled: np.ndarray | array | None = None
-    # a plain step's captured row went to the address it was given (`step_at`'s `stage`)
-    # instead of `hidden`
-    staged: bool = False
+    # how many plain steps' captured rows went to the address they were given (`step_at`'s
+    # and `step_run`'s `stage`) instead of `hidden` (those of the first steps)
+    staged: int = 0
 
 
 class Backend:
@@ -285,6 +287,11 @@ class Backend:
             self._stepper, self._step_state = stepper or (None, None)
             # ... and a pass whose rows' sampled tokens are read (a tree's), likewise
             self._rows_step = None if stepper is None else rows_stepper(self._step_state)
+            # ... and a run of plain steps, each decoding the token the last one sampled
+            self._run, self._run_eog = (None, 0) if stepper is None else \
+                run_stepper(L, self._step_state)
+            self._run_buf = array("i", bytes(4 * MAX_RUN))
+            self._run_addr = self._run_buf.buffer_info()[0]
             # the plain step writes its one token, and every step its rows' sequence ids,
             # through ctypes pointers (fewer calls into numpy on caches a forward pass just
             # flushed)
@@ -811,7 +818,7 @@ class Backend:
         """Decode one token of sequence `seq` at position `pos` with its logits; `capture`:
         whether the hidden-state capture takes its row (None: as it was set). `stage`: an
         address for n_embd float32 values where the compiled step may put the captured row
-        instead of returning it (`staged` says whether it did)."""
+        instead of returning it (`staged`: 1 where it did)."""
         if pos >= self.n_ctx:
             raise ContextFullError(f"context is full: {pos + 1} tokens, n_ctx={self.n_ctx}")
         main = seq in self._main_chains  # its argmax taken in the graph: no row copied out
@@ -835,8 +842,8 @@ class Backend:
                 got[0] = st.token
                 self.graph_rows += 1
                 rows = self._kept_rows((0, 0), 1) if seq in self.kept_seqs else self._no_rows
-                return DecodeOutput(rows, hidden, got, bool(staged))
-            return DecodeOutput(self._logits(1), hidden, None, bool(staged))
+                return DecodeOutput(rows, hidden, got, staged)
+            return DecodeOutput(self._logits(1), hidden, None, staged)
         if capture is not None and self.capture is not None:
             self.capture.enabled = capture
         self._batch.n_tokens = 1
@@ -855,6 +862,45 @@ class Backend:
                     self._no_rows)
             return DecodeOutput(rows, hidden, got)
         return DecodeOutput(self._logits(1), hidden)
+
+    def can_run(self, seq: int) -> bool:
+        """Whether `step_run` can decode several plain steps of sequence `seq` in one call:
+        a compiled build, the sequence's argmax taken in the graph, no replay."""
+        return self._run is not None and self.replay is None and seq in self._main_chains
+
+    def step_run(self, token: int, pos: int, seq: int, n: int, capture: bool,
+                 stage: int = 0) -> DecodeOutput:
+        """Up to n plain steps of sequence `seq` (see `can_run`) in one compiled call: `token`
+        at `pos`, then the token the graph sampled for it at pos + 1, and so on; it stops
+        early after an end-of-generation token. `sampled` holds each step's token (an
+        array("i") reused by the next call); `capture`: the steps' hidden rows captured,
+        written one after the other from `stage` (an address with room for n rows; 0:
+        nowhere) where they can be (`staged` of them, the first ones), the last step's row
+        in `hidden` where it was not. Context positions past n_ctx, or n outside 1..MAX_RUN,
+        raise."""
+        if not 1 <= n <= MAX_RUN:
+            raise ValueError(f"a run of {n} plain steps: accepted are 1 to {MAX_RUN}")
+        if pos + n > self.n_ctx:
+            raise ContextFullError(f"context is full: {pos + n} tokens, n_ctx={self.n_ctx}")
+        if self._run is None or seq not in self._main_chains:
+            raise RuntimeError("a run of plain steps needs the compiled step and the "
+                               "sequence's argmax taken in the graph (see can_run)")
+        t0 = time.perf_counter()
+        rc = self._run(token, pos, seq, capture, n, stage or None, self._run_addr,
+                       self._run_eog, self.vocab)
+        self.decode_seconds += time.perf_counter() - t0
+        st = self._step_state
+        done = st.token
+        self.graph_rows += done
+        if rc != 0:
+            self._decode_failed(rc, 1)
+        tokens = self._run_buf[:done]
+        if tokens[-1] < 0:
+            raise DecodeError("llama.cpp's graph sampled no token for a plain step's row")
+        staged = st.staged if stage else 0
+        hidden = (self.capture.rows() if capture and self.capture is not None and
+                  staged < done else None)
+        return DecodeOutput(self._no_rows, hidden, tokens, staged)
 
     def _captured(self, copy: bool = True) -> np.ndarray | None:
         """The hidden rows the last llama_decode call captured (without `copy`, where the

@@ -235,10 +235,11 @@ class CostModel:
                 self._confirmed[j] = self.steps
         self._update()
 
-    def observe_plain(self, seconds: float, ctx: int | None = None) -> None:
+    def observe_plain(self, seconds: float, ctx: int | None = None, count: int = 1) -> None:
         """`observe` of a plain step: it rescales the whole profile. Plain Python: it runs
-        after every plain step, the first thing after a forward pass."""
-        self.steps += 1
+        after every plain step, the first thing after a forward pass. `count` steps (a run)
+        that took `seconds` each count as that many observations."""
+        self.steps += count
         if ctx is not None and self.per_kv and ctx > self.ctx0:
             seconds -= self.per_kv * (ctx - self.ctx0)
         if seconds < 1e-6:
@@ -247,8 +248,9 @@ class CostModel:
         if seconds < 0.5 * self.scale * t1:
             self.scale = seconds / t1
             self.surprises += 1
-        else:
-            self.scale += self.alpha * (seconds / t1 - self.scale)
+        else:  # (count observations of the same time: the moving average moves count times)
+            rate = self.alpha if count == 1 else 1.0 - (1.0 - self.alpha) ** count
+            self.scale += rate * (seconds / t1 - self.scale)
         self._confirmed[0] = self.steps
         if self._plain_confirmed:
             self._seconds = None  # scaled again when next read

@@ -341,34 +341,43 @@ class VectorIndex:
         self._staged = staged + k
         return self._stage_rows[staged + k - 1]
 
-    def stage_address(self) -> int:
-        """The address of the float32 row (`dim` values) `add_staged` indexes next: the
-        caller's decode step writes a row there (the pending rows are stored first when
-        there is no room)."""
-        if self._staged >= MAX_PENDING:
+    def stage_address(self, rows: int = 1) -> int:
+        """The address of the float32 rows (`dim` values each, one after the other)
+        `add_staged` indexes next: the caller's decode steps write up to `rows` rows there
+        (1 to MAX_PENDING; the pending rows are stored first when there is no room)."""
+        if not 1 <= rows <= MAX_PENDING:
+            raise ValueError(f"{rows} rows to stage: accepted are 1 to {MAX_PENDING}")
+        if self._staged + rows > MAX_PENDING:
             self._flush()
         return self._stage_at + 4 * self.dim * self._staged
 
-    def add_staged(self, position: int) -> np.ndarray:
-        """`add` of the row written at `stage_address()` for context position `position`,
-        without a copy; returns a view of the row (valid until the pending rows are stored
-        and its place is taken by a later row)."""
+    def add_staged(self, position: int, rows: int = 1) -> np.ndarray:
+        """`add` of the `rows` rows written at `stage_address()` for context positions
+        `position`, `position` + 1, ..., without a copy; returns a view of the last one
+        (valid until the pending rows are stored and its place is taken by a later row)."""
         n, j = self._n, self._staged
-        if n + 1 > self.capacity:
-            raise ValueError(f"index is full: {n} + 1 rows > capacity {self.capacity} (the "
-                             "context size)")
-        row = self._stage_rows[j]
-        if self.center is None:
-            self._centre_on(row[None])
-        if n + 1 > len(self._pos):
-            self._grow(n + 1)
-        self._pos[n] = position
-        if position >= len(self._row_of):
-            self._cover(position)
-        self._row_of[position] = n
-        self._n = n + 1
-        self._staged = j + 1
-        return row
+        if n + rows > self.capacity:
+            raise ValueError(f"index is full: {n} + {rows} rows > capacity {self.capacity} "
+                             "(the context size)")
+        if rows < 1 or j + rows > MAX_PENDING:
+            raise ValueError(f"{rows} staged rows after {j}: accepted are 1 to "
+                             f"{MAX_PENDING - j}")
+        if self.center is None:  # (as row by row: the first row alone)
+            self._centre_on(self._stage_rows[j][None])
+        if n + rows > len(self._pos):
+            self._grow(n + rows)
+        last = position + rows - 1
+        if last >= len(self._row_of):
+            self._cover(last)
+        if rows == 1:
+            self._pos[n] = position
+            self._row_of[position] = n
+        else:
+            self._pos[n: n + rows] = range(position, position + rows)
+            self._row_of[position: position + rows] = range(n, n + rows)
+        self._n = n + rows
+        self._staged = j + rows
+        return self._stage_rows[j + rows - 1]
 
     def search(self, query: np.ndarray, k: int) -> Hits:
         """The k most similar indexed positions to `query` (a raw hidden row), best first."""

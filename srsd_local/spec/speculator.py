@@ -352,10 +352,15 @@ class Speculator:
 
     def observe(self, req: Request, plan: Plan | None, path: list[int]) -> None:
         """Learn from one step: `plan` was verified (None: a plain step), `path` are the
-        accepted node indices from the root. (The step's cost: `observe_cost`.)"""
+        accepted node indices from the root (a run of k plain steps: k entries, the steps
+        after the first being those the controller would skip, `skips`). (The step's cost:
+        `observe_cost`.)"""
         req.copy_at = None
         if plan is None:
-            req.recent += RECENT_DRIFT * (0.5 - req.recent)
+            for _ in path:
+                req.recent += RECENT_DRIFT * (0.5 - req.recent)
+            if len(path) > 1:
+                req.skip = max(0, req.skip - (len(path) - 1))
         else:
             tree = plan.tree
             if len(path) > 1 and not tree.children(path[-1]):  # accepted to a leaf: the
@@ -383,10 +388,11 @@ class Speculator:
         if self.config.adaptive:
             self.cost.observe(n, seconds, ctx)
 
-    def observe_plain_cost(self, seconds: float, ctx: int) -> None:
-        """`observe_cost` of a plain step (one token of one request)."""
+    def observe_plain_cost(self, seconds: float, ctx: int, count: int = 1) -> None:
+        """`observe_cost` of a plain step (one token of one request); `count` such steps
+        (a run) took `seconds` each."""
         if self.config.adaptive:
-            self.cost.observe_plain(seconds, ctx)
+            self.cost.observe_plain(seconds, ctx, count)
 
     def _learn(self, tree: TokenTree, ev: list[NodeEvidence | None], path: list[int],
                req: Request) -> None:

@@ -1,0 +1,177 @@
+"""Runs of plain steps in one compiled call (SRSDConfig.plain_run), on the real default model:
+the backend's run decodes what its plain steps one by one decode (tokens, captured rows),
+stops after an end-of-generation token; the engine's outputs, steps and context are those of
+step-by-step decoding, its events carry up to plain_run tokens, and requests that need
+something between steps (stop strings, log-probabilities, a temperature, a grammar) get one
+step per event as before."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+from srsd_local.bench.workloads import load_workload
+from srsd_local.config import SRSDConfig
+
+pytestmark = pytest.mark.model
+
+EDIT = load_workload("code_edit")[0]
+
+
+@pytest.fixture(scope="module")
+def run_engine(model_path):
+    from srsd_local.engine import Engine
+
+    eng = Engine.load(model_path, n_ctx=4096, learned=False)
+    yield eng
+    eng.close()
+
+
+def _prefilled(be, prompt: list[int]) -> int:
+    """The prompt decoded into sequence 0 (nothing else in it), its argmax; sequence 0 then
+    has its argmax taken in the graph."""
+    be.seq_trim(0, 0)
+    be.n_past = 0
+    out = be.decode(prompt)
+    be.sample_main(0, True)
+    return int(np.argmax(out.logits[-1]))
+
+
+def test_a_run_decodes_what_its_plain_steps_one_by_one_decode(run_engine):
+    be = run_engine.backend
+    prompt = be.tokenize(EDIT.prompt)[:300]
+    n, k, dim = len(prompt), 12, be.n_embd
+    one_rows = np.zeros((k, dim), np.float32)
+    run_rows = np.zeros((k, dim), np.float32)
+    try:
+        first = _prefilled(be, prompt)
+        assert be.can_run(0)
+        tokens, tok = [], first
+        for i in range(k):  # one by one, each row staged where the engine would put it
+            out = be.step_at(tok, n + i, 0, True, one_rows[i].ctypes.data)
+            assert out.staged == 1 and out.hidden is None
+            tok = int(out.sampled[0])
+            tokens.append(tok)
+        assert _prefilled(be, prompt) == first
+        out = be.step_run(first, n, 0, k, True, run_rows.ctypes.data)
+        assert list(out.sampled) == tokens
+        assert out.staged == k and out.hidden is None
+        assert np.array_equal(run_rows, one_rows) and np.abs(run_rows).sum() > 0
+        # the cache holds the run's tokens, as after the steps: the next step goes on
+        after = be.step_at(tokens[-1], n + k, 0, True, 0)
+        assert after.sampled[0] >= 0
+        # without a stage: the last step's row comes back as `hidden`
+        assert _prefilled(be, prompt) == first
+        out = be.step_run(first, n, 0, 3, True, 0)
+        assert list(out.sampled) == tokens[:3] and out.staged == 0
+        assert np.array_equal(out.hidden[-1], one_rows[2])
+        # a run stops after an end-of-generation token: here llama.cpp's check is replaced by
+        # one that calls the run's fourth token the end
+        assert _prefilled(be, prompt) == first
+        is_end = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_int32)(
+            lambda vocab, token: token == tokens[3])
+        stop_at = tokens.index(tokens[3])
+        rc = be._run(first, n, 0, True, k, None, be._run_addr,
+                     ctypes.cast(is_end, ctypes.c_void_p).value, be.vocab)
+        assert rc == 0 and be._step_state.token == stop_at + 1
+        assert list(be._run_buf[: stop_at + 1]) == tokens[: stop_at + 1]
+        # bad sizes and the end of the context are refused before anything is decoded
+        for bad in (0, 65):
+            with pytest.raises(ValueError, match="plain steps: accepted are 1 to 64"):
+                be.step_run(first, n, 0, bad, True, 0)
+        from srsd_local.llama.backend import ContextFullError
+
+        with pytest.raises(ContextFullError, match="context is full"):
+            be.step_run(first, be.n_ctx - 2, 0, 3, True, 0)
+    finally:
+        be.seq_trim(0, 0)
+        be.n_past = 0
+        run_engine.reset()
+
+
+def _events(eng, prompt, **kw):
+    return list(eng.stream(prompt, **kw))
+
+
+@pytest.mark.parametrize("max_tokens", [45, 7])
+def test_plain_decoding_in_runs_is_step_by_step_decoding(run_engine, max_tokens):
+    # the same tokens and text, steps and finish; the events carry up to plain_run tokens
+    eng = run_engine
+    outs = {}
+    try:
+        for runs in (1, 8):
+            eng.reconfigure(plain_run=runs)
+            eng.reset()
+            outs[runs] = evs = _events(eng, EDIT.prompt, max_tokens=max_tokens, mode="ar")
+            sizes = [len(e.token_ids) for e in evs]
+            assert max(sizes) <= runs and sum(sizes) == max_tokens
+            assert evs[-1].finish_reason == "length"
+    finally:
+        eng.reconfigure(plain_run=SRSDConfig().plain_run)
+    one, run = outs[1], outs[8]
+    assert [t for e in run for t in e.token_ids] == [t for e in one for t in e.token_ids]
+    assert "".join(e.text for e in run) == "".join(e.text for e in one)
+    assert len(run) < len(one)
+    s1, s8 = one[-1].stats, run[-1].stats
+    assert s8.steps == s1.steps and s8.tokens == s1.tokens == max_tokens
+    assert s8.tokens_per_step == s1.tokens_per_step
+
+
+def test_a_run_ends_at_the_end_of_generation_as_plain_steps_do(run_engine, monkeypatch):
+    # the default model rarely ends a text by itself: here a token of its output (the 11th)
+    # is made an end of generation, for the emitter and for the compiled run alike
+    eng = run_engine
+    be = eng.backend
+    eng.reset()
+    ref = eng.generate(EDIT.prompt, max_tokens=40, mode="ar").token_ids
+    end = ref[10]
+    monkeypatch.setitem(be._eog, end, True)
+    is_end = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_int32)(
+        lambda vocab, token: token == end)
+    monkeypatch.setattr(be, "_run_eog", ctypes.cast(is_end, ctypes.c_void_p).value)
+    got = {}
+    try:
+        for runs in (1, 8):
+            eng.reconfigure(plain_run=runs)
+            eng.reset()
+            evs = _events(eng, EDIT.prompt, max_tokens=40, mode="ar")
+            got[runs] = ([t for e in evs for t in e.token_ids], evs[-1].finish_reason,
+                         eng.slots[0].n_past)
+    finally:
+        eng.reconfigure(plain_run=SRSDConfig().plain_run)
+    assert got[8] == got[1]
+    tokens, finish, n_past = got[8]
+    assert finish == "stop" and tokens == ref[: ref.index(end)]
+    # the end token was not decoded: the context is the prompt and the tokens before it
+    assert n_past == len(eng.tokenize(EDIT.prompt)) + len(tokens)
+
+
+def test_requests_that_look_between_steps_get_one_step_per_event(run_engine):
+    eng = run_engine
+    eng.reset()
+    ref = _events(eng, EDIT.prompt, max_tokens=24, mode="ar")
+    text = "".join(e.text for e in ref)
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    cases = [dict(stop=[stop]), dict(logprobs=1), dict(temperature=0.8, seed=3)]
+    for kw in cases:
+        eng.reset()
+        evs = _events(eng, EDIT.prompt, max_tokens=24, mode="ar", **kw)
+        assert all(len(e.token_ids) <= 1 for e in evs), kw
+    assert any(len(e.token_ids) > 1 for e in ref)
+
+
+def test_speculative_decoding_runs_the_steps_it_skips_and_keeps_plain_decodings_tokens(
+        run_engine):
+    # srsd: the steps after a drafting attempt that led to no tree, which the controller
+    # skips, go as runs (events of several tokens none of them drafted); every token is plain
+    # decoding's, checked at every position
+    eng = run_engine
+    eng.reset()
+    prompt = load_workload("humaneval")[0].prompt
+    evs = _events(eng, prompt, max_tokens=128, mode="srsd")
+    tokens = [t for e in evs for t in e.token_ids]
+    assert any(len(e.token_ids) > 1 and not any(e.drafted) for e in evs)
+    report = eng.verify_output(prompt, tokens)
+    assert report.ok, report
