@@ -196,11 +196,12 @@ class SRSDConfig:
     # log-probabilities, still get them). True / False: on / off; None (auto): on where the
     # sequence ids allow it (a second block of branch ids per slot)
     sample_in_graph: bool | None = None
-    # plain steps of a greedy request decoded one after the other in one compiled call, each
-    # on the token the last one took in the graph, where nothing is to be looked at between
-    # them (no drafting due, no other request in the pass, no stop string, grammar or
-    # log-probabilities): at most this many (1: every step returns to Python). The output is
-    # the same; its events then carry up to this many tokens each.
+    # plain steps whose tokens the graph takes (greedy, or drawn at a temperature alone)
+    # decoded one after the other in one compiled call, each on the token the last one took,
+    # where nothing is to be looked at between them (no drafting due, no other request in
+    # the pass, no stop string, grammar or log-probabilities): at most this many (1: every
+    # step returns to Python). The output is the same; its events then carry up to this
+    # many tokens each.
     plain_run: int = 8
     # n-gram drafter (in srsd/hybrid trees, and as mode "pld")
     ngram_max: int = 4

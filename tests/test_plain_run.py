@@ -1,9 +1,10 @@
 """Runs of plain steps in one compiled call (SRSDConfig.plain_run), on the real default model:
 the backend's run decodes what its plain steps one by one decode (tokens, captured rows),
 stops after an end-of-generation token; the engine's outputs, steps and context are those of
-step-by-step decoding, its events carry up to plain_run tokens, and requests that need
-something between steps (stop strings, log-probabilities, a temperature, a grammar) get one
-step per event as before."""
+step-by-step decoding (steps drawn at a temperature in the graph too, with the same draws),
+its events carry up to plain_run tokens, and requests that need something between steps
+(stop strings, log-probabilities, top-p and the like, a grammar) get one step per event as
+before."""
 
 from __future__ import annotations
 
@@ -67,14 +68,20 @@ def test_a_run_decodes_what_its_plain_steps_one_by_one_decode(run_engine):
         out = be.step_run(first, n, 0, 3, True, 0)
         assert list(out.sampled) == tokens[:3] and out.staged == 0
         assert np.array_equal(out.hidden[-1], one_rows[2])
+        # rows captured from a later step on: those steps' rows alone, from the stage
+        assert _prefilled(be, prompt) == first
+        some = np.zeros((k, dim), np.float32)
+        out = be.step_run(first, n, 0, 5, True, some.ctypes.data, 3)
+        assert list(out.sampled) == tokens[:5] and out.staged == 2 and out.hidden is None
+        assert np.array_equal(some[:2], one_rows[3:5]) and not some[2:].any()
         # a run stops after an end-of-generation token: here llama.cpp's check is replaced by
         # one that calls the run's fourth token the end
         assert _prefilled(be, prompt) == first
         is_end = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_int32)(
             lambda vocab, token: token == tokens[3])
         stop_at = tokens.index(tokens[3])
-        rc = be._run(first, n, 0, True, k, None, be._run_addr,
-                     ctypes.cast(is_end, ctypes.c_void_p).value, be.vocab)
+        rc = be._run(first, n, 0, True, 0, k, None, be._run_addr,
+                     ctypes.cast(is_end, ctypes.c_void_p).value, be.vocab, None, None)
         assert rc == 0 and be._step_state.token == stop_at + 1
         assert list(be._run_buf[: stop_at + 1]) == tokens[: stop_at + 1]
         # bad sizes and the end of the context are refused before anything is decoded
@@ -154,12 +161,39 @@ def test_requests_that_look_between_steps_get_one_step_per_event(run_engine):
     ref = _events(eng, EDIT.prompt, max_tokens=24, mode="ar")
     text = "".join(e.text for e in ref)
     stop = text[len(text) // 2: len(text) // 2 + 3]
-    cases = [dict(stop=[stop]), dict(logprobs=1), dict(temperature=0.8, seed=3)]
+    cases = [dict(stop=[stop]), dict(logprobs=1), dict(temperature=0.8, top_p=0.9, seed=3),
+             dict(json_schema={"type": "object"})]
     for kw in cases:
         eng.reset()
         evs = _events(eng, EDIT.prompt, max_tokens=24, mode="ar", **kw)
         assert all(len(e.token_ids) <= 1 for e in evs), kw
     assert any(len(e.token_ids) > 1 for e in ref)
+
+
+@pytest.mark.parametrize("mode", ["ar", "srsd"])
+def test_steps_drawn_in_the_graph_go_as_runs_with_the_same_draws(run_engine, mode):
+    # sampled at a temperature alone, a plain step's token is drawn in the graph with the
+    # uniform draw the host would take: a run takes its steps' draws in order, so `ar` draws
+    # the very tokens step-by-step decoding draws; `srsd` (its plain steps in runs after
+    # declined drafting) stays a valid sampled generation of the same length
+    eng = run_engine
+    assert eng.backend.can_draw
+    prompt = load_workload("open")[0].prompt
+    got = {}
+    try:
+        for runs in (1, 8):
+            eng.reconfigure(plain_run=runs)
+            eng.reset()
+            evs = _events(eng, prompt, max_tokens=40, mode=mode, temperature=0.8, seed=11)
+            got[runs] = evs
+            assert max(len(e.token_ids) for e in evs) <= runs
+            assert sum(len(e.token_ids) for e in evs) == 40
+    finally:
+        eng.reconfigure(plain_run=SRSDConfig().plain_run)
+    assert any(len(e.token_ids) > 1 and not any(e.drafted) for e in got[8])
+    if mode == "ar":
+        assert [t for e in got[8] for t in e.token_ids] == \
+            [t for e in got[1] for t in e.token_ids]
 
 
 def test_speculative_decoding_runs_the_steps_it_skips_and_keeps_plain_decodings_tokens(

@@ -600,7 +600,7 @@ class Engine:
             out = (be.step_at(int(w.tokens[0]), int(w.positions[0]), w.seq_ids[0][0],
                               w.capture, w.stage) if w.run == 1 else
                    be.step_run(int(w.tokens[0]), int(w.positions[0]), w.seq_ids[0][0],
-                               w.run, w.capture, w.stage))
+                               w.run, w.capture, w.stage, w.capture_from, w.draws))
         except BaseException as exc:  # noqa: BLE001 - delivered to the request's caller
             job.fail(exc, throw=True)
             return
@@ -848,11 +848,11 @@ class Engine:
         drawing = be.draw_state(slot.base) if draw and main_graph else None
         draw = drawing is not None
         graph_first = branches if in_graph or draw else slot.base
-        # greedy plain steps whose token the graph takes, with no stop string to watch: a
-        # plain step of this request alone in its pass may go on as a run of them in one
-        # compiled call, as long as nothing is to be drafted or checked in between
-        runs = (self.config.plain_run if main_graph and not draw and not kept and
-                job.forcing is None and not job.stops and be.can_run(slot.base) else 1)
+        # plain steps whose token the graph takes (greedy or drawn), with no stop string to
+        # watch: a plain step of this request alone in its pass may go on as a run of them
+        # in one compiled call, as long as nothing is to be drafted or checked in between
+        runs = (self.config.plain_run if main_graph and not kept and job.forcing is None
+                and not job.stops and be.can_run(slot.base) else 1)
 
         # 1. prefill
         t0 = time.perf_counter()
@@ -938,10 +938,17 @@ class Engine:
                               job.max_tokens - emit.count, slot.n_ctx - n)
                 w = Work([x], [n], [[slot.base]], [1],  # no arrays: hot path
                          self.speculator.indexes(req), run=run)
+                if run > 1 and not req.greedy and req.uses_index:  # a sampled request's
+                    # row is captured at the last step its back-off skips (the query of its
+                    # next drafting), as step by step
+                    w.capture, w.capture_from = True, req.skip
                 if w.capture:  # its rows straight into the index
                     w.stage = slot.index.stage_address(run)
-                if draw:  # the draw this row takes, drawn now
-                    drawing.u = sampler.uniform()
+                if draw:  # the draws its rows take, drawn now
+                    if run == 1:
+                        drawing.u = sampler.uniform()
+                    else:
+                        w.draws = array("d", [sampler.uniform() for _ in range(run)])
                 yield w
                 got = w.sampled  # (in a batch with other requests: -1 for this row
                 path, path_tokens = [0], [x]  # where this request's rows are not sampled)
@@ -997,10 +1004,12 @@ class Engine:
                 slot.ctx[n] = x
             else:
                 slot.ctx[n: n + len(path)] = path_tokens
-            if w.staged:  # a plain step's row, in the index's pending rows already
-                slot.last_hidden = slot.index.add_staged(n, w.staged)
+            if w.staged or w.run > 1:  # a plain step's rows, in the index's pending rows
+                at = n + w.capture_from  # already (those of a run's captured steps)
+                if w.staged:
+                    slot.last_hidden = slot.index.add_staged(at, w.staged)
                 if w.hidden is not None:  # (a run's last row, where it was not staged)
-                    slot.last_hidden = slot.index.add_path(w.hidden, [0], n + w.staged)
+                    slot.last_hidden = slot.index.add_path(w.hidden, [0], at + w.staged)
             elif req.uses_index and w.hidden is not None:  # (the rows are this step's own,
                 # a tree's a view of the capture's buffer; the last row's copy in the index)
                 slot.last_hidden = slot.index.add_path(w.hidden, path, n)

@@ -94,9 +94,12 @@ class Work:
     staged: int = 0
     # a plain step that may go on as a run of up to this many plain steps in one compiled
     # call, each decoding the token the last one took in the graph (`sampled` then holds
-    # every step's token, `staged` how many of their rows went to `stage`, the first ones,
-    # and `hidden` the last one's row where it did not)
+    # every step's token, `staged` how many of their rows went to `stage`, those of the
+    # steps from `capture_from` on, and `hidden` the last one's row where it did not);
+    # `draws`: for tokens drawn in the graph, each step's uniform draw (an array("d"))
     run: int = 1
+    capture_from: int = 0
+    draws: array | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)

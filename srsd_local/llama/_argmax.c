@@ -510,23 +510,28 @@ int32_t srsd_step_one(struct step *s, int32_t token, int32_t pos, int32_t seq,
 /* Up to n plain steps of one sequence in one call, each decoding the token the step before
  * it sampled in the graph: `token` at `pos`, then its sampled token at pos + 1, and so on
  * (each step as srsd_step_one with want_sampled; the sequence must have an in-graph
- * sampler). out[i] gets step i's sampled token. The run stops early after a step whose token
- * is an end of generation (is_eog(vocab, token)), after a step whose captured row could not
- * be staged, or at a failed llama_decode (its return code comes back; out holds the steps
- * before it). s->token: the steps done; s->staged: how many of their captured rows were
- * copied to stage + i * n_embd (the first ones, when `stage` and `capture`); s->seconds:
- * llama_decode and llama_synchronize over all steps. From Python, n plain steps are then
- * one call, without the return into the interpreter after each forward pass. */
+ * sampler). With `draw_u` (a draw sampler's uniform draw, not NULL), step i's draw is
+ * set to u[i] before its pass. Steps from `capture_from` on have their hidden row captured
+ * (with `capture`; the others with the capture off). out[i] gets step i's sampled token.
+ * The run stops early after a step whose token is an end of generation (is_eog(vocab,
+ * token)), after a step whose captured row could not be staged, or at a failed
+ * llama_decode (its return code comes back; out holds the steps before it). s->token: the
+ * steps done; s->staged: how many of their captured rows were copied to stage + k * n_embd
+ * (k = 0, 1, ... from step capture_from on, when `stage`); s->seconds: llama_decode and
+ * llama_synchronize over all steps. From Python, n plain steps are then one call, without
+ * the return into the interpreter after each forward pass. */
 typedef bool (*is_eog_fn)(const void *vocab, int32_t token);
 
 int32_t srsd_step_run(struct step *s, int32_t token, int32_t pos, int32_t seq,
-                      int32_t capture, int32_t n, float *stage, int32_t *out,
-                      is_eog_fn is_eog, const void *vocab) {
+                      int32_t capture, int32_t capture_from, int32_t n, float *stage,
+                      int32_t *out, is_eog_fn is_eog, const void *vocab, double *draw_u,
+                      const double *u) {
     struct batch *b = s->batch;
     double seconds = 0.0;
     int32_t done = 0, staged = 0, rc = 0;
-    bool staging = stage && s->cap_enabled && capture;
     while (done < n) {
+        const bool cap_now = capture && done >= capture_from;
+        const bool staging = stage && s->cap_enabled && cap_now;
         b->n_tokens = 1;
         b->token[0] = token;
         b->pos[0] = pos + done;
@@ -534,11 +539,12 @@ int32_t srsd_step_run(struct step *s, int32_t token, int32_t pos, int32_t seq,
         b->n_seq_id[0] = 1;
         b->seq_id[0][0] = seq;
         if (s->cap_enabled) {
-            *s->cap_enabled = capture;
+            *s->cap_enabled = cap_now;
             *s->cap_used = 0;
             *s->cap_rows = 0;
             *s->cap_overflow = 0;
         }
+        if (draw_u) *draw_u = u[done];
         const double t0 = now();
         rc = s->decode(s->ctx, *b);
         if (rc == 0) s->sync(s->ctx);

@@ -869,25 +869,35 @@ class Backend:
         return self._run is not None and self.replay is None and seq in self._main_chains
 
     def step_run(self, token: int, pos: int, seq: int, n: int, capture: bool,
-                 stage: int = 0) -> DecodeOutput:
+                 stage: int = 0, capture_from: int = 0, draws: array | None = None
+                 ) -> DecodeOutput:
         """Up to n plain steps of sequence `seq` (see `can_run`) in one compiled call: `token`
-        at `pos`, then the token the graph sampled for it at pos + 1, and so on; it stops
+        at `pos`, then the token the graph took for it at pos + 1, and so on; it stops
         early after an end-of-generation token. `sampled` holds each step's token (an
-        array("i") reused by the next call); `capture`: the steps' hidden rows captured,
-        written one after the other from `stage` (an address with room for n rows; 0:
-        nowhere) where they can be (`staged` of them, the first ones), the last step's row
-        in `hidden` where it was not. Context positions past n_ctx, or n outside 1..MAX_RUN,
-        raise."""
+        array("i") reused by the next call). With `capture`, the hidden rows of the steps
+        from `capture_from` on are captured (the others' not), written one after the other
+        from `stage` (an address with room for n rows; 0: nowhere) where they can be
+        (`staged` of them, the first ones), the last step's row in `hidden` where it was
+        not. `draws`: for a sequence whose tokens are drawn in the graph (`sample_main`'s
+        `draw`), each step's uniform draw (an array("d") of at least n). Context positions
+        past n_ctx, or n outside 1..MAX_RUN, raise."""
         if not 1 <= n <= MAX_RUN:
             raise ValueError(f"a run of {n} plain steps: accepted are 1 to {MAX_RUN}")
         if pos + n > self.n_ctx:
             raise ContextFullError(f"context is full: {pos + n} tokens, n_ctx={self.n_ctx}")
         if self._run is None or seq not in self._main_chains:
             raise RuntimeError("a run of plain steps needs the compiled step and the "
-                               "sequence's argmax taken in the graph (see can_run)")
+                               "sequence's tokens taken in the graph (see can_run)")
+        draw_u = u = None
+        if draws is not None:
+            state = self.draw_state(seq)
+            if state is None or len(draws) < n or draws.typecode != "d":
+                raise ValueError("draws: an array('d') of a uniform draw per step, for a "
+                                 "sequence whose tokens are drawn in the graph")
+            draw_u, u = ctypes.addressof(state) + DrawState.u.offset, draws.buffer_info()[0]
         t0 = time.perf_counter()
-        rc = self._run(token, pos, seq, capture, n, stage or None, self._run_addr,
-                       self._run_eog, self.vocab)
+        rc = self._run(token, pos, seq, capture, capture_from, n, stage or None,
+                       self._run_addr, self._run_eog, self.vocab, draw_u, u)
         self.decode_seconds += time.perf_counter() - t0
         st = self._step_state
         done = st.token
@@ -896,10 +906,11 @@ class Backend:
             self._decode_failed(rc, 1)
         tokens = self._run_buf[:done]
         if tokens[-1] < 0:
-            raise DecodeError("llama.cpp's graph sampled no token for a plain step's row")
+            raise DecodeError("llama.cpp's graph took no token for a plain step's row")
         staged = st.staged if stage else 0
-        hidden = (self.capture.rows() if capture and self.capture is not None and
-                  staged < done else None)
+        captured = max(0, done - capture_from) if capture else 0
+        hidden = (self.capture.rows() if self.capture is not None and staged < captured
+                  else None)
         return DecodeOutput(self._no_rows, hidden, tokens, staged)
 
     def _captured(self, copy: bool = True) -> np.ndarray | None:

@@ -54,8 +54,8 @@ def library() -> ctypes.CDLL | None:
     lib.srsd_step_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                    ctypes.c_void_p]
     lib.srsd_step_rows.restype = ctypes.c_int32
-    lib.srsd_step_run.argtypes = ([ctypes.c_void_p] + [ctypes.c_int32] * 5 +
-                                  [ctypes.c_void_p] * 4)
+    lib.srsd_step_run.argtypes = ([ctypes.c_void_p] + [ctypes.c_int32] * 6 +
+                                  [ctypes.c_void_p] * 6)
     lib.srsd_step_run.restype = ctypes.c_int32
     return lib
 
@@ -236,16 +236,18 @@ def rows_stepper(state: StepState):
 
 
 def run_stepper(L, state: StepState):
-    """`(run, eog)`: `run(token, pos, seq, capture, n, stage, out, eog, vocab) -> rc` for the
-    state of a `plain_stepper`
-    (a partial of the C function itself): up to n plain steps of sequence `seq` in one
-    compiled call, each decoding the token the step before sampled in the graph (the
-    sequence must have an in-graph sampler), `token` first at `pos`; into the int32 array at
-    address `out` each step's token; it stops after an end-of-generation token (llama.cpp's
-    `llama_vocab_is_eog` of `vocab`), after a step whose captured row could not be staged,
-    or at a failed llama_decode (its return code comes back). `state.token`: steps done,
-    `state.staged`: how many of their captured rows went to `stage` (an address for rows of
-    n_embd float32 values one after the other, or None), `state.seconds`: their
-    llama_decode and llama_synchronize."""
+    """`(run, eog)`: `run(token, pos, seq, capture, capture_from, n, stage, out, eog, vocab,
+    draw_u, u) -> rc` for the state of a `plain_stepper` (a partial of the C function
+    itself): up to n plain steps of sequence `seq` in one compiled call, each decoding the
+    token the step before took in the graph (the sequence must have an in-graph sampler),
+    `token` first at `pos`; into the int32 array at address `out` each step's token. With
+    `draw_u` (the address of a draw sampler's `DrawState.u`, or None) step i's uniform draw
+    is set to the i-th double at address `u` before its pass. Steps from `capture_from` on
+    have their hidden row captured (with `capture`), the others not. It stops after an
+    end-of-generation token (llama.cpp's `llama_vocab_is_eog` of `vocab`), after a step
+    whose captured row could not be staged, or at a failed llama_decode (its return code
+    comes back). `state.token`: steps done, `state.staged`: how many captured rows went to
+    `stage` (an address for rows of n_embd float32 values one after the other, or None),
+    `state.seconds`: their llama_decode and llama_synchronize."""
     eog = ctypes.cast(L.llama_vocab_is_eog, ctypes.c_void_p).value
     return partial(library().srsd_step_run, ctypes.addressof(state)), eog
