@@ -477,8 +477,11 @@ static double now(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-int32_t srsd_step_one(struct step *s, int32_t token, int32_t pos, int32_t seq,
-                      int32_t capture, int32_t want_sampled, float *stage) {
+/* One token of sequence `seq` at `pos`, its logits row wanted, written into the batch; the
+ * capture (if any) switched on or off and emptied; llama_decode and llama_synchronize, timed
+ * into *seconds. llama_decode's return code comes back. */
+static int32_t pass_one(struct step *s, int32_t token, int32_t pos, int32_t seq,
+                        int32_t capture, double *seconds) {
     struct batch *b = s->batch;
     b->n_tokens = 1;
     b->token[0] = token;
@@ -495,12 +498,23 @@ int32_t srsd_step_one(struct step *s, int32_t token, int32_t pos, int32_t seq,
     const double t0 = now();
     const int32_t rc = s->decode(s->ctx, *b);
     if (rc == 0) s->sync(s->ctx);
-    s->seconds = now() - t0;
+    *seconds = now() - t0;
+    return rc;
+}
+
+/* Whether the last pass's captured row is one float32 row of n_embd values (a copy of it can
+ * be staged). */
+static bool row_stageable(const struct step *s) {
+    return *s->cap_rows == 1 && !*s->cap_overflow && *s->cap_type == 0 /* GGML_TYPE_F32 */ &&
+           *s->cap_ne0 == s->n_embd;
+}
+
+int32_t srsd_step_one(struct step *s, int32_t token, int32_t pos, int32_t seq,
+                      int32_t capture, int32_t want_sampled, float *stage) {
+    const int32_t rc = pass_one(s, token, pos, seq, capture, &s->seconds);
     s->token = (rc == 0 && want_sampled) ? s->sampled(s->ctx, 0) : -1;
     s->staged = 0;
-    if (rc == 0 && stage && s->cap_enabled && capture && *s->cap_rows == 1 &&
-            !*s->cap_overflow && *s->cap_type == 0 /* GGML_TYPE_F32 */ &&
-            *s->cap_ne0 == s->n_embd) {
+    if (rc == 0 && stage && s->cap_enabled && capture && row_stageable(s)) {
         memcpy(stage, *s->cap_buf, (size_t)s->n_embd * sizeof(float));
         s->staged = 1;
     }
@@ -526,41 +540,21 @@ int32_t srsd_step_run(struct step *s, int32_t token, int32_t pos, int32_t seq,
                       int32_t capture, int32_t capture_from, int32_t n, float *stage,
                       int32_t *out, is_eog_fn is_eog, const void *vocab, double *draw_u,
                       const double *u) {
-    struct batch *b = s->batch;
-    double seconds = 0.0;
+    double seconds = 0.0, one;
     int32_t done = 0, staged = 0, rc = 0;
     while (done < n) {
         const bool cap_now = capture && done >= capture_from;
-        const bool staging = stage && s->cap_enabled && cap_now;
-        b->n_tokens = 1;
-        b->token[0] = token;
-        b->pos[0] = pos + done;
-        b->logits[0] = 1;
-        b->n_seq_id[0] = 1;
-        b->seq_id[0][0] = seq;
-        if (s->cap_enabled) {
-            *s->cap_enabled = cap_now;
-            *s->cap_used = 0;
-            *s->cap_rows = 0;
-            *s->cap_overflow = 0;
-        }
         if (draw_u) *draw_u = u[done];
-        const double t0 = now();
-        rc = s->decode(s->ctx, *b);
-        if (rc == 0) s->sync(s->ctx);
-        seconds += now() - t0;
+        rc = pass_one(s, token, pos + done, seq, cap_now, &one);
+        seconds += one;
         if (rc != 0) break;
         token = s->sampled(s->ctx, 0);
         out[done++] = token;
-        if (staging) {
-            if (*s->cap_rows == 1 && !*s->cap_overflow && *s->cap_type == 0 &&
-                    *s->cap_ne0 == s->n_embd) {
-                memcpy(stage + (size_t)staged * (size_t)s->n_embd, *s->cap_buf,
-                       (size_t)s->n_embd * sizeof(float));
-                ++staged;
-            } else {
-                break; /* this step's row stays in the capture's buffer */
-            }
+        if (stage && s->cap_enabled && cap_now) {
+            if (!row_stageable(s)) break; /* this step's row stays in the capture's buffer */
+            memcpy(stage + (size_t)staged * (size_t)s->n_embd, *s->cap_buf,
+                   (size_t)s->n_embd * sizeof(float));
+            ++staged;
         }
         if (token < 0 || is_eog(vocab, token)) break;
     }
