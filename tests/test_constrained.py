@@ -452,3 +452,80 @@ def test_forced_text_is_the_same_compiled_and_from_python(engine):
                             got, prev, n)
                         forced += bool(got)
     assert forced > 0  # some positions force text
+
+
+def test_loading_a_model_builds_the_grammar_checks_before_any_request(model_path, monkeypatch):
+    """Engine.load builds and loads the compiled grammar checks (the first use on a machine
+    compiles them, ~0.3 s): a first request under a grammar no longer pays for that in its
+    steps' host time."""
+    from srsd_local.engine import Engine
+
+    calls = []
+    real = grammar._compiled
+    monkeypatch.setattr(grammar, "_compiled", lambda: calls.append(1) or real())
+    with Engine.load(model_path, n_ctx=1024, learned=False, adaptive=False) as eng:
+        assert calls, "the grammar checks were not built at load"
+        built = len(calls)
+        out = eng.generate(JSON_PROMPTS[0].prompt, max_tokens=24, mode="srsd",
+                           json_schema=SCHEMA)
+        assert out.token_ids
+        assert len(calls) > built  # (the requests' checks ask the same loaded build)
+    assert real() is not None  # this machine has a compiler: the build loaded
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_take_if_admitted_checks_and_advances_in_one_call(engine, compiled, monkeypatch):
+    """GrammarState.take_if_admitted: along an output, each of its tokens is admitted and
+    taken (the state then admits exactly what a state that accepted it admits), and a token
+    the grammar rejects there is refused with the state left as it was; compiled and from
+    Python alike. A greedy constrained sampler given that state draws the same tokens as
+    one given a state without the method (best_allowed's check, then accept)."""
+    assert grammar._compiled() is not None
+    if not compiled:
+        monkeypatch.setattr(grammar, "_compiled", lambda: None)
+    p = JSON_PROMPTS[0]
+    out = engine.generate(p.prompt, max_tokens=40, mode="ar", json_schema=p.json_schema)
+    toks = out.token_ids
+    bad = engine.tokenize("}}}", add_bos=False)[0]
+    vocab = np.arange(engine.n_vocab, dtype=np.int32)
+    state, ref = (engine.constraint(json_schema=p.json_schema) for _ in range(2))
+    refused = 0
+    for t in toks:
+        if not ref.allows(bad):
+            before = state.mask(vocab)
+            assert not state.take_if_admitted(bad)
+            assert np.array_equal(state.mask(vocab), before)  # left as it was
+            refused += 1
+        assert state.take_if_admitted(t)
+        ref.accept(t)
+        assert np.array_equal(state.mask(vocab), ref.mask(vocab))
+    assert refused > 0
+
+    from srsd_local.config import SamplingParams
+    from srsd_local.spec.sampling import ConstrainedSampler
+
+    class NoTake:  # the same grammar without the one-call check
+        def __init__(self, st):
+            self.st = st
+
+        def mask(self, ids):
+            return self.st.mask(ids)
+
+        def accept(self, token):
+            self.st.accept(token)
+
+    rng = np.random.default_rng(5)
+    greedy = SamplingParams(temperature=0.0)
+    a = ConstrainedSampler(greedy, engine.constraint(json_schema=p.json_schema))
+    b = ConstrainedSampler(greedy, NoTake(engine.constraint(json_schema=p.json_schema)))
+    took_top = 0
+    for i, t in enumerate(toks[:16]):  # rows whose argmax the grammar admits (the output's
+        # token made the best) and random rows (their argmax mostly rejected)
+        x = rng.normal(size=engine.n_vocab).astype(np.float32)
+        if i % 2 == 0:
+            x[t] = x.max() + 1.0
+        top = int(np.argmax(x)) if i % 4 < 2 else None  # given, or found in the row
+        got = a(x, top)
+        assert got == b(x, top), i
+        took_top += got == int(np.argmax(x))
+    assert 0 < took_top < 16

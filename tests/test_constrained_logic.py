@@ -266,3 +266,58 @@ def test_workload_json_schema_field():
     with pytest.raises(ValueError, match="'json_schema' must be an object"):
         parse_line('{"id": "a", "category": "c", "prompt": "x", "max_tokens": 4, '
                    '"json_schema": 3}', "w")
+
+
+def _rows(n_vocab: int, tops: list[int]) -> np.ndarray:
+    rows = np.full((len(tops), n_vocab), -100.0, dtype=np.float32)
+    for i, t in enumerate(tops):
+        rows[i, t] = 5.0
+        rows[i, (t + 1) % n_vocab] = 4.0  # the runner-up, where the grammar rejects the top
+    return rows
+
+
+@pytest.mark.parametrize("graph", [True, False])
+def test_a_tree_walk_takes_nodes_the_grammar_checked_before_the_pass_unchecked(graph):
+    """Under a grammar, a greedy tree's walk asks the grammar only about tokens it did not
+    check before the pass: an argmax that is a drafted child the grammar admitted (a node
+    below `checked`) is taken as is; a child added after the check (forced text after a
+    leaf) and the token after the path are checked. Path, next token and the grammar's
+    accepted tokens are those of the walk that checks every row."""
+    from srsd_local.engine.engine import _checked_draw
+    from srsd_local.spec.planner import Plan
+    from srsd_local.spec.verify import walk_tree
+
+    tree = TokenTree(1)
+    a = tree.add_node(0, 5)
+    b = tree.add_node(a, 7)
+    tree.add_node(0, 6)  # a sibling the model does not take
+    c = tree.add_node(b, 9)  # added after the check (index 4: not below `checked`)
+    plan = Plan(tree, [], [None] * len(tree), 0.0)
+    rows = _rows(16, [5, 7, 9, 0, 11])  # the argmax after each node (node 3: unused)
+    allowed = {5, 6, 7, 9, 11, 12}
+    for rejected, want_path, want_y in ((None, [0, a, b, c], 11), (9, [0, a, b], 10)):
+        ok = allowed - {rejected} | {10}
+        ref = SetConstraint(ok)
+        sampler = ConstrainedSampler(SamplingParams(temperature=0.0), ref)
+        assert walk_tree(tree, rows.__getitem__, sampler) == (want_path, want_y)
+        fast = SetConstraint(ok)
+        sampler = ConstrainedSampler(SamplingParams(temperature=0.0), fast)
+        tops = (lambda node: int(np.argmax(rows[node]))) if graph else None
+        draw = _checked_draw(sampler, plan, 4, rows, tops)
+        assert walk_tree(tree, lambda node: node, draw) == (want_path, want_y)
+        assert fast.accepted == ref.accepted == [tree.tokens[i] for i in want_path[1:]] + \
+            [want_y]
+        # the grammar was asked about two ids only: the unchecked child's token (9, drawn
+        # after b), then the token after the path (11), or where it rejects 9, the
+        # runner-up (10)
+        assert ref.checked > fast.checked
+        assert fast.checked == 2
+    # a plan chosen from a bigger candidate: its nodes' indices there decide (`source`)
+    sub = Plan(tree, [], [None] * len(tree), 0.0, source=[0, 1, 7, 3, 4])  # b was 7
+    fast = SetConstraint(allowed)
+    sampler = ConstrainedSampler(SamplingParams(temperature=0.0), fast)
+    assert walk_tree(tree, lambda node: node, _checked_draw(sampler, sub, 4, rows)) == \
+        ([0, a, b, c], 11)
+    assert fast.checked == 3  # 7 (b: candidate node 7, not checked), 9 and 11
+    with pytest.raises(ValueError, match="greedy"):
+        ConstrainedSampler(SamplingParams(temperature=0.7), fast).take(5)

@@ -147,12 +147,14 @@ def test_constrained_greedy_takes_the_graphs_argmax_and_reads_kept_rows(graph_en
                                                                         monkeypatch):
     """Greedy under a grammar: each row's argmax comes from the graph and the row is copied
     out too; the grammar checks the argmax, and where it rejects it the best admitted token
-    is found in the kept row. Plain steps (ar) and trees (srsd) alike."""
+    is found in the kept row. Plain steps (ar) and trees (srsd) alike; in a tree, an argmax
+    that is a drafted child the grammar admitted before the pass is taken unchecked."""
     from srsd_local.spec import sampling
 
     be = graph_engine.backend
-    seen = {"given": 0, "rejected": 0}
+    seen = {"given": 0, "rejected": 0, "taken": 0}
     best = sampling.best_allowed
+    take = sampling.ConstrainedSampler.take
 
     def spy(x, allowed, top=None):
         tok = best(x, allowed, top)
@@ -161,13 +163,24 @@ def test_constrained_greedy_takes_the_graphs_argmax_and_reads_kept_rows(graph_en
             seen["rejected"] += tok != top
         return tok
 
+    def spy_take(self, token):
+        seen["taken"] += 1
+        return take(self, token)
+
     monkeypatch.setattr(sampling, "best_allowed", spy)
+    monkeypatch.setattr(sampling.ConstrainedSampler, "take", spy_take)
     for mode in ("ar", "srsd"):
         rows0, given0, rejected0 = be.graph_rows, seen["given"], seen["rejected"]
+        taken0 = seen["taken"]
         out = graph_engine.generate(JSON.prompt, max_tokens=JSON.max_tokens, mode=mode,
                                     json_schema=JSON.json_schema)
         assert be.graph_rows - rows0 >= len(out.token_ids) - 1, mode
-        assert seen["given"] - given0 >= len(out.token_ids) - 1, mode
+        taken = seen["taken"] - taken0
+        assert seen["given"] - given0 + taken >= len(out.token_ids) - 1, mode
+        # plain steps check every argmax; a tree's accepted drafted nodes were checked
+        # before its pass
+        assert (taken > 0) == (mode == "srsd"), (mode, taken)
+        assert taken <= out.stats.accepted_tokens, mode
         # the grammar rejected the graph's argmax somewhere: the kept row was read there
         assert seen["rejected"] > rejected0, mode
         assert be.kept_seqs, mode
@@ -187,7 +200,8 @@ def test_constrained_greedy_takes_the_graphs_argmax_and_reads_kept_rows(graph_en
              "json_schema": JSON.json_schema},
             {"prompt": EDIT.prompt, "max_tokens": 64, "mode": "srsd", **other},
         ])
-        assert seen["given"] - given0 >= len(constrained.token_ids) - 1, other
+        assert seen["given"] - given0 >= len(constrained.token_ids) - 1 - \
+            constrained.stats.accepted_tokens, other
         assert schema_problem(JSON.json_schema, constrained.text) is None, other
         assert graph_engine.verify_output(JSON.prompt, constrained.token_ids,
                                           json_schema=JSON.json_schema).ok, other

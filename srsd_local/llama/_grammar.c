@@ -59,6 +59,17 @@ static int32_t admits(const struct fns *f, void *st, const int32_t *ids, int32_t
     return some;
 }
 
+/* The grammar at `st` checked for `token` next and, where it admits it, advanced along it:
+ * 1; else 0, the state unchanged. (A greedy step's draw: the row's argmax, most often
+ * admitted, checked and taken in one call.) */
+int32_t srsd_grammar_take(const struct fns *f, void *st, int32_t token) {
+    struct token_data one;
+    uint8_t ok;
+    if (!admits(f, st, &token, 1, &ok, &one)) return 0;
+    f->accept(st, token);
+    return 1;
+}
+
 /* A drafted tree (tokens, parents; node 0 the root, already accepted at `root`; parents
  * before children) checked against the grammar: keep[i], whether node i is admitted along
  * its path (a node under a rejected one is not); states[i], for each admitted node that has

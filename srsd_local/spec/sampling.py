@@ -215,7 +215,8 @@ def _first_allowed(ids: np.ndarray, allowed: Constraint) -> int | None:
     return int(ids[int(np.argmax(ok))]) if ok.any() else None
 
 
-def best_allowed(x: np.ndarray, allowed: Constraint, top: int | None = None) -> int:
+def best_allowed(x: np.ndarray, allowed: Constraint, top: int | None = None,
+                 top_rejected: bool = False) -> int:
     """The highest-logit token the constraint admits (ties: the lowest id). The candidates
     are checked best first in growing chunks: the top token alone (the usual case: one
     check), then the tokens within BAND logits of it (their 16 best, their 256 best); then,
@@ -224,10 +225,10 @@ def best_allowed(x: np.ndarray, allowed: Constraint, top: int | None = None) -> 
     MAX_BAND best, ties included), then the rest of the vocabulary: its 4096 best, its 65536
     best, all of it (only the chunk at hand is sorted: a stable sort of a 262k vocabulary
     costs ~25 ms). `top`: x's argmax where it is known already (taken in llama.cpp's
-    graph)."""
+    graph); `top_rejected`: the constraint is known to reject it."""
     if top is None:
         top = int(np.argmax(x))
-    if allowed.mask(np.asarray([top], dtype=np.int32))[0]:
+    if not top_rejected and allowed.mask(np.asarray([top], dtype=np.int32))[0]:
         return top
     m = x[top]
     band = np.flatnonzero(x >= m - BAND).astype(np.int32)
@@ -313,10 +314,17 @@ class ConstrainedSampler(Sampler):
         already (greedy: often the answer, with one check of the grammar)."""
         x = np.asarray(logits, dtype=np.float32).reshape(-1)
         c = self.constraint
-        best = best_allowed(x, c, top)
-        if self.params.greedy:
-            tok = best
+        take = getattr(c, "take_if_admitted", None)  # (a check that also advances)
+        if self.params.greedy and take is not None:
+            if top is None:
+                top = int(np.argmax(x))
+            if take(top):  # the usual case: the argmax admitted, taken in one call
+                return top
+            tok = best_allowed(x, c, top, top_rejected=True)
+        elif self.params.greedy:
+            tok = best_allowed(x, c, top)
         else:
+            best = best_allowed(x, c, top)
             floor = x[best] - CUTOFF * max(self.params.temperature, 1e-6)
             cand = np.flatnonzero(x >= floor).astype(np.int32)
             superset = _superset(c) if len(cand) > MAX_BAND else None  # fewer to check
@@ -329,6 +337,15 @@ class ConstrainedSampler(Sampler):
             tok = int(cand[ids[_pick(p, self.rng.random())]])
         c.accept(tok)
         return tok
+
+    def take(self, token: int) -> int:
+        """`token`, a greedy draw known to need no check: the row's argmax, which the
+        constraint is known to admit here (it checked that token at this place before).
+        The constraint advances along it, as when `__call__` draws it."""
+        if not self.params.greedy:
+            raise ValueError("take() is for greedy sampling: a sampled draw needs the row")
+        self.constraint.accept(token)
+        return token
 
 
 @dataclass(frozen=True)
