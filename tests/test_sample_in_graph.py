@@ -153,11 +153,11 @@ def test_constrained_greedy_takes_the_graphs_argmax_and_reads_kept_rows(graph_en
 
     be = graph_engine.backend
     seen = {"given": 0, "rejected": 0, "taken": 0}
-    best = sampling.best_allowed
+    draw = sampling.ConstrainedSampler.__call__
     take = sampling.ConstrainedSampler.take
 
-    def spy(x, allowed, top=None):
-        tok = best(x, allowed, top)
+    def spy(self, x, top=None):
+        tok = draw(self, x, top)
         if top is not None:
             seen["given"] += 1
             seen["rejected"] += tok != top
@@ -167,7 +167,7 @@ def test_constrained_greedy_takes_the_graphs_argmax_and_reads_kept_rows(graph_en
         seen["taken"] += 1
         return take(self, token)
 
-    monkeypatch.setattr(sampling, "best_allowed", spy)
+    monkeypatch.setattr(sampling.ConstrainedSampler, "__call__", spy)
     monkeypatch.setattr(sampling.ConstrainedSampler, "take", spy_take)
     for mode in ("ar", "srsd"):
         rows0, given0, rejected0 = be.graph_rows, seen["given"], seen["rejected"]
@@ -477,11 +477,16 @@ def test_sampled_plain_steps_are_drawn_in_the_graph_as_the_host_draws(graph_engi
 
     prompt = load_workload("open")[0]
     kw = {"max_tokens": 48, "temperature": 0.8, "seed": 11}
+    # both generations compared start from an empty cache: the same cells hold the same
+    # positions (where they lie in the cache changes the logits' rounding, and a draw near
+    # a boundary between two tokens with them: seen on an AVX-512 machine at position 4)
+    graph_engine.reset()
     drawn = graph_engine.generate(prompt.prompt, mode="ar", **kw)
     assert max(drawn_rows()) >= len(drawn.token_ids) - 1
     tree = graph_engine.generate(EDIT.prompt, mode="srsd", **kw)
     assert tree.stats.drafts > 0 and len(tree.token_ids) == 48
     monkeypatch.setattr(Sampler, "drawn_compiled", property(lambda self: False))
+    graph_engine.reset()
     host = graph_engine.generate(prompt.prompt, mode="ar", **kw)
     assert drawn.token_ids == host.token_ids
     assert len(set(drawn.token_ids)) > 10  # a sampled text, not one token repeated
