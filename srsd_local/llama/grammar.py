@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -55,10 +55,19 @@ class _Fns(ctypes.Structure):
                 ("clone", ctypes.c_void_p), ("release", ctypes.c_void_p)]
 
 
+class _Kernels(NamedTuple):
+    """`_grammar.c`'s functions, and llama.cpp's functions they call (`fns`)."""
+
+    prune: Any
+    forced: Any
+    fns: _Fns
+    take: Any
+
+
 @lru_cache(maxsize=1)
-def _compiled() -> tuple[Any, Any, Any, Any] | None:
-    """(prune, forced, fns, take): `_grammar.c`'s functions and llama.cpp's functions for
-    them, or None where it cannot be built (then the checks are made from Python)."""
+def _compiled() -> _Kernels | None:
+    """`_grammar.c`'s functions and llama.cpp's functions for them, or None where it cannot
+    be built (then the checks are made from Python)."""
     src = resources.files("srsd_local.llama").joinpath("_grammar.c").read_bytes()
     lib = store.load_compiled("grammar", src, ((("-O2", "-march=native"), True),
                                                (("-O2",), False)))
@@ -78,7 +87,7 @@ def _compiled() -> tuple[Any, Any, Any, Any] | None:
     take = lib.srsd_grammar_take
     take.argtypes = [ptr, ptr, ctypes.c_int32]
     take.restype = ctypes.c_int32
-    return prune, forced, fns, take
+    return _Kernels(prune, forced, fns, take)
 
 
 def prepare_kernels() -> bool:
@@ -434,7 +443,7 @@ class GrammarState:
         numpy and ctypes calls)."""
         fast = _compiled()
         if fast is not None:
-            return bool(fast[3](ctypes.addressof(fast[2]), self._ptr, int(token)))
+            return bool(fast.take(ctypes.addressof(fast.fns), self._ptr, int(token)))
         if not self.allows(token):
             return False
         self.accept(token)
@@ -482,10 +491,10 @@ class GrammarState:
             prev = c
         return "".join(out)
 
-    def _forced_compiled(self, fast: tuple, max_chars: int, style: SpaceStyle, prev: str
+    def _forced_compiled(self, fast: _Kernels, max_chars: int, style: SpaceStyle, prev: str
                          ) -> str:
         """`forced_text` in one compiled call (`_grammar.c`), whitespace as `style` writes it."""
-        forced, fns = fast[1], fast[2]
+        forced, fns = fast.forced, fast.fns
         owner = self.owner
         ids, chars, eog, sentinels = owner.forced_args
         out = ctypes.create_string_buffer(max_chars)
@@ -531,10 +540,10 @@ class GrammarState:
         leaves = {k: s for k, s in states.items() if k not in children and k != 0}
         return keep, leaves
 
-    def _prune_compiled(self, fast: tuple, tokens: Sequence[int], parents: Sequence[int]
+    def _prune_compiled(self, fast: _Kernels, tokens: Sequence[int], parents: Sequence[int]
                         ) -> tuple[list[bool], dict[int, GrammarState]]:
         """`prune` in one compiled call (`_grammar.c`)."""
-        prune, fns = fast[0], fast[2]
+        prune, fns = fast.prune, fast.fns
         n = len(tokens)
         tok, par = array("i", tokens), array("i", parents)
         keep = array("B", bytes(n))
