@@ -68,6 +68,10 @@ COMPONENTS = [
     ("srsd_local.llama.grammar", "Forcing.next_text", "grammar: forced text after the root"),
     ("srsd_local.engine.engine", "Engine._tokenize_text", "grammar: forced text tokenized"),
     ("srsd_local.spec.sampling", "ConstrainedSampler.__call__", "grammar: constrained sampling"),
+    ("srsd_local.llama.grammar", "GrammarState.take_if_admitted",
+     "  grammar: argmax checked and taken"),
+    ("srsd_local.spec.sampling", "best_allowed", "  grammar: argmax rejected, best admitted"),
+    ("srsd_local.spec.sampling", "ConstrainedSampler.take", "grammar: argmax taken unchecked"),
 ]
 
 
