@@ -3,8 +3,10 @@ the backend's run decodes what its plain steps one by one decode (tokens, captur
 stops after an end-of-generation token; the engine's outputs, steps and context are those of
 step-by-step decoding (steps drawn at a temperature in the graph too, with the same draws),
 its events carry up to plain_run tokens, and requests that need something between steps
-(stop strings, log-probabilities, top-p and the like, a grammar) get one step per event as
-before."""
+(stop strings, log-probabilities, top-p and the like) get one step per event as before. A
+greedy request under a grammar runs too, the grammar checking each token in the run: the
+same tokens as step by step, a rejected argmax's row searched after the run, and a drafting
+request's run stopped where the grammar forces what comes next."""
 
 from __future__ import annotations
 
@@ -81,7 +83,7 @@ def test_a_run_decodes_what_its_plain_steps_one_by_one_decode(run_engine):
             lambda vocab, token: token == tokens[3])
         stop_at = tokens.index(tokens[3])
         rc = be._run(first, n, 0, True, 0, k, None, be._run_addr,
-                     ctypes.cast(is_end, ctypes.c_void_p).value, be.vocab, None, None)
+                     ctypes.cast(is_end, ctypes.c_void_p).value, be.vocab, None, None, None, None)
         assert rc == 0 and be._step_state.token == stop_at + 1
         assert list(be._run_buf[: stop_at + 1]) == tokens[: stop_at + 1]
         # bad sizes and the end of the context are refused before anything is decoded
@@ -162,7 +164,7 @@ def test_requests_that_look_between_steps_get_one_step_per_event(run_engine):
     text = "".join(e.text for e in ref)
     stop = text[len(text) // 2: len(text) // 2 + 3]
     cases = [dict(stop=[stop]), dict(logprobs=1), dict(temperature=0.8, top_p=0.9, seed=3),
-             dict(json_schema={"type": "object"})]
+             dict(json_schema={"type": "object"}, temperature=0.8, seed=3)]
     for kw in cases:
         eng.reset()
         evs = _events(eng, EDIT.prompt, max_tokens=24, mode="ar", **kw)
@@ -211,3 +213,94 @@ def test_speculative_decoding_runs_the_steps_it_skips_and_keeps_plain_decodings_
     assert any(len(e.token_ids) > 1 and not any(e.drafted) for e in evs)
     report = eng.verify_output(prompt, tokens)
     assert report.ok, report
+
+
+JSON = load_workload("json")[0]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+
+
+def test_a_runs_grammar_check_takes_rejects_and_stops_where_text_is_forced(run_engine):
+    # the compiled check a run calls per token, on a JSON schema's grammar: a token the
+    # grammar admits is taken (1), or taken and the run stops where the grammar forces what
+    # comes next (2, with stop_forced); a rejected one (0) leaves the state as it was
+    eng = run_engine
+    tok = {t: eng.tokenize(t, add_bos=False) for t in ('{"', "name", "abc", "\n")}
+    assert all(len(v) == 1 for v in tok.values()), tok
+    check_t = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32)
+    for stop in (True, False):
+        state = eng.constraint(json_schema=SCHEMA)
+        fn, data = state.run_check(stop)
+        check = check_t(fn)
+        # after '{"' the grammar forces 'name": "'
+        assert check(data, tok['{"'][0]) == (2 if stop else 1)
+        assert state.forced_text(16, lambda c: c == ":") == 'name": "'
+        assert check(data, tok["abc"][0]) == 0  # not the forced key
+        assert check(data, tok["name"][0]) == (2 if stop else 1)
+        for t in eng.tokenize('": "', add_bos=False):  # into the string's value
+            state.accept(t)
+        assert not state.allows(tok["\n"][0])  # (a raw newline: not in a JSON string)
+        assert check(data, tok["\n"][0]) == 0
+        assert check(data, tok["abc"][0]) == 1  # free text: nothing forced after it
+        assert state.forced_text(16, lambda c: True) == ""
+
+
+def _grammar_runs(eng, monkeypatch, prompt, **kw) -> dict[int, tuple[list, list, int]]:
+    """Per plain_run (1, 8): the events' tokens, their sizes and how many runs ended at a
+    token the grammar rejected."""
+    be = eng.backend
+    step_run = be.step_run
+    rejected = [0]
+
+    def counting(*args, **kwargs):
+        out = step_run(*args, **kwargs)
+        rejected[0] += out.rejected
+        return out
+
+    monkeypatch.setattr(be, "step_run", counting)
+    got = {}
+    try:
+        for runs in (1, 8):
+            eng.reconfigure(plain_run=runs)
+            eng.reset()
+            rejected[0] = 0
+            evs = _events(eng, prompt, **kw)
+            got[runs] = ([t for e in evs for t in e.token_ids],
+                         [len(e.token_ids) for e in evs if not any(e.drafted)], rejected[0])
+    finally:
+        eng.reconfigure(plain_run=SRSDConfig().plain_run)
+    return got
+
+
+def test_greedy_decoding_under_a_grammar_runs_with_step_by_step_decodings_tokens(
+        run_engine, monkeypatch):
+    # a JSON schema (the json workload's first prompt) and a grammar that rejects the
+    # model's argmax at most steps (the code-edit prompt, written in lowercase letters and
+    # spaces only): in runs, the tokens of step-by-step decoding, at every position; the
+    # runs carry several tokens, and in the second a run ends at a rejected argmax, whose
+    # row is searched for the best admitted token as a step's would be
+    eng = run_engine
+    lower = 'root ::= [a-z ]+ "."'
+    for prompt, kw in ((JSON.prompt, JSON.constraint), (EDIT.prompt, dict(grammar=lower))):
+        got = _grammar_runs(eng, monkeypatch, prompt, max_tokens=48, mode="ar", **kw)
+        assert got[8][0] == got[1][0]
+        assert max(got[8][1]) > 1 and max(got[8][1]) <= 8 and max(got[1][1]) == 1
+        assert got[1][2] == 0  # (no runs)
+    assert got[8][2] > 0
+    assert set(eng.backend.detokenize(got[8][0])) <= set("abcdefghijklmnopqrstuvwxyz .")
+
+
+def test_speculative_decoding_under_a_grammar_runs_its_skipped_steps(run_engine, monkeypatch):
+    # srsd under a JSON schema: the steps it skips after declined drafting go as runs, which
+    # stop where the grammar forces text (drafted: still accepted as forced tokens); every
+    # token is plain constrained decoding's, checked at every position
+    eng = run_engine
+    got = _grammar_runs(eng, monkeypatch, JSON.prompt, max_tokens=JSON.max_tokens,
+                        mode="srsd", **JSON.constraint)
+    tokens, sizes, _ = got[8]
+    assert max(sizes) > 1 and max(got[1][1]) == 1
+    eng.reset()
+    report = eng.verify_output(JSON.prompt, tokens, **JSON.constraint)
+    assert report.ok, report
+    eng.reset()
+    out = eng.generate(JSON.prompt, max_tokens=JSON.max_tokens, mode="srsd", **JSON.constraint)
+    assert out.stats.forced_tokens > 0

@@ -148,11 +148,21 @@ def test_constrained_greedy_takes_the_graphs_argmax_and_reads_kept_rows(graph_en
     """Greedy under a grammar: each row's argmax comes from the graph and the row is copied
     out too; the grammar checks the argmax, and where it rejects it the best admitted token
     is found in the kept row. Plain steps (ar) and trees (srsd) alike; in a tree, an argmax
-    that is a drafted child the grammar admitted before the pass is taken unchecked."""
+    that is a drafted child the grammar admitted before the pass is taken unchecked; in a
+    run of plain steps, the grammar checks and takes each argmax in the run, a rejected one
+    is searched as a step's."""
     from srsd_local.spec import sampling
 
     be = graph_engine.backend
-    seen = {"given": 0, "rejected": 0, "taken": 0}
+    seen = {"given": 0, "rejected": 0, "taken": 0, "run": 0}
+    step_run = be.step_run
+
+    def spy_run(*args, **kwargs):
+        out = step_run(*args, **kwargs)
+        if (args[8] if len(args) > 8 else kwargs.get("check")) is not None:
+            seen["run"] += len(out.sampled) - out.rejected  # (checked and taken in the run)
+        return out
+
     draw = sampling.ConstrainedSampler.__call__
     take = sampling.ConstrainedSampler.take
 
@@ -169,14 +179,18 @@ def test_constrained_greedy_takes_the_graphs_argmax_and_reads_kept_rows(graph_en
 
     monkeypatch.setattr(sampling.ConstrainedSampler, "__call__", spy)
     monkeypatch.setattr(sampling.ConstrainedSampler, "take", spy_take)
+    monkeypatch.setattr(be, "step_run", spy_run)
     for mode in ("ar", "srsd"):
         rows0, given0, rejected0 = be.graph_rows, seen["given"], seen["rejected"]
-        taken0 = seen["taken"]
+        taken0, run0 = seen["taken"], seen["run"]
         out = graph_engine.generate(JSON.prompt, max_tokens=JSON.max_tokens, mode=mode,
                                     json_schema=JSON.json_schema)
         assert be.graph_rows - rows0 >= len(out.token_ids) - 1, mode
         taken = seen["taken"] - taken0
-        assert seen["given"] - given0 + taken >= len(out.token_ids) - 1, mode
+        assert seen["given"] - given0 + taken + seen["run"] - run0 >= len(out.token_ids) - 1, \
+            mode
+        if mode == "ar":  # (in runs, the default: plain_run > 1)
+            assert seen["run"] > run0
         # plain steps check every argmax; a tree's accepted drafted nodes were checked
         # before its pass
         assert (taken > 0) == (mode == "srsd"), (mode, taken)

@@ -604,12 +604,13 @@ class Engine:
             out = (be.step_at(int(w.tokens[0]), int(w.positions[0]), w.seq_ids[0][0],
                               w.capture, w.stage) if w.run == 1 else
                    be.step_run(int(w.tokens[0]), int(w.positions[0]), w.seq_ids[0][0],
-                               w.run, w.capture, w.stage, w.capture_from, w.draws))
+                               w.run, w.capture, w.stage, w.capture_from, w.draws, w.check))
         except BaseException as exc:  # noqa: BLE001 - delivered to the request's caller
             job.fail(exc, throw=True)
             return
         w.logits, w.hidden, w.sampled, w.staged = out.logits, out.hidden, out.sampled, \
             out.staged
+        w.rejected = out.rejected
         w.decode_seconds = be.decode_seconds - d0
         if self.config.adaptive and not w.prefill:
             # replayed: what the recorded pass took, so that the decisions repeat
@@ -852,10 +853,17 @@ class Engine:
         drawing = be.draw_state(slot.base) if draw and main_graph else None
         draw = drawing is not None
         graph_first = branches if in_graph or draw else slot.base
+        # greedy under a grammar (kept): a run's tokens checked against the grammar in the
+        # run itself, each taken where admitted (the run stops at one it rejects, whose row
+        # is then searched; a drafting request's run also stops where the grammar forces
+        # what comes next, which it drafts)
+        check = (job.forcing.state.run_check(stop_forced=not self.plain_only)
+                 if kept and main_graph and be.can_run(slot.base) else None)
         # plain steps whose token the graph takes (greedy or drawn), with no stop string to
         # watch: a plain step of this request alone in its pass may go on as a run of them
-        # in one compiled call, as long as nothing is to be drafted or checked in between
-        runs = (self.config.plain_run if main_graph and not kept and job.forcing is None
+        # in one compiled call, as long as nothing is to be drafted in between and what is
+        # to be checked is checked in the run
+        runs = (self.config.plain_run if main_graph and (job.forcing is None or check is not None)
                 and not job.stops and be.can_run(slot.base) else 1)
 
         # 1. prefill
@@ -944,7 +952,8 @@ class Engine:
                     run = min(1 + req.skip if drafting else runs, runs,
                               job.max_tokens - emit.count, slot.n_ctx - n)
                 w = Work([x], [n], [[slot.base]], [1],  # no arrays: hot path
-                         self.speculator.indexes(req), run=run)
+                         self.speculator.indexes(req), run=run,
+                         check=check if run > 1 else None)
                 if run > 1 and not req.greedy and req.uses_index:  # a sampled request's
                     # row is captured at the last step its back-off skips (the query of its
                     # next drafting), as step by step
@@ -962,6 +971,8 @@ class Engine:
                 if run > 1:  # the run's steps: each decoded the token the last one took
                     k = len(got)
                     path, path_tokens, y = list(range(k)), [x, *got[: k - 1]], got[k - 1]
+                    if w.rejected:  # (by the grammar: the best admitted token of its row)
+                        y = sampler(w.logits[0], y)
                 elif draw:
                     if got is None or got[0] < 0:
                         raise DecodeError("llama.cpp's graph drew no token for a sampled row")

@@ -100,6 +100,10 @@ class Work:
     run: int = 1
     capture_from: int = 0
     draws: array | None = None
+    # a run's check of each step's token (an output constraint's: see Backend.step_run),
+    # and whether it rejected the last one (not taken; its row then in `logits`)
+    check: tuple[int, int] | None = None
+    rejected: bool = False
 
     def __len__(self) -> int:
         return len(self.tokens)

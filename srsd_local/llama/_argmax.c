@@ -469,6 +469,7 @@ struct step {
                      * srsd_step_rows: how many rows' tokens were read */
     int32_t staged; /* out: whether the captured row was copied to `stage` */
     double read_seconds; /* out (srsd_step_rows): reading the sampled tokens */
+    int32_t verdict; /* out (srsd_step_run with a check): the last step's token's verdict */
 };
 
 static double now(void) {
@@ -521,11 +522,18 @@ int32_t srsd_step_one(struct step *s, int32_t token, int32_t pos, int32_t seq,
     return rc;
 }
 
+/* A check of each token a run's steps take (an output constraint's): 1, taken, the run goes
+ * on; 2, taken, the run stops after it; 0, rejected (not taken), the run stops. */
+typedef int32_t (*check_fn)(void *data, int32_t token);
+
 /* Up to n plain steps of one sequence in one call, each decoding the token the step before
  * it sampled in the graph: `token` at `pos`, then its sampled token at pos + 1, and so on
  * (each step as srsd_step_one with want_sampled; the sequence must have an in-graph
  * sampler). With `draw_u` (a draw sampler's uniform draw, not NULL), step i's draw is
- * set to u[i] before its pass. Steps from `capture_from` on have their hidden row captured
+ * set to u[i] before its pass. With `check` (not NULL), each step's token is checked
+ * (check(check_data, token)); the run stops after a step whose verdict is not 1, and
+ * s->verdict holds the last verdict (1 without a check): 0 means the last step's token was
+ * rejected, its row is the last pass's. Steps from `capture_from` on have their hidden row captured
  * (with `capture`; the others with the capture off). out[i] gets step i's sampled token.
  * The run stops early after a step whose token is an end of generation (is_eog(vocab,
  * token)), after a step whose captured row could not be staged, or at a failed
@@ -539,9 +547,10 @@ typedef bool (*is_eog_fn)(const void *vocab, int32_t token);
 int32_t srsd_step_run(struct step *s, int32_t token, int32_t pos, int32_t seq,
                       int32_t capture, int32_t capture_from, int32_t n, float *stage,
                       int32_t *out, is_eog_fn is_eog, const void *vocab, double *draw_u,
-                      const double *u) {
+                      const double *u, check_fn check, void *check_data) {
     double seconds = 0.0, one;
     int32_t done = 0, staged = 0, rc = 0;
+    s->verdict = 1;
     while (done < n) {
         const bool cap_now = capture && done >= capture_from;
         if (draw_u) *draw_u = u[done];
@@ -556,7 +565,12 @@ int32_t srsd_step_run(struct step *s, int32_t token, int32_t pos, int32_t seq,
                    (size_t)s->n_embd * sizeof(float));
             ++staged;
         }
-        if (token < 0 || is_eog(vocab, token)) break;
+        if (token < 0) break;
+        if (check) {
+            s->verdict = check(check_data, token);
+            if (s->verdict != 1) break;
+        }
+        if (is_eog(vocab, token)) break;
     }
     s->seconds = seconds;
     s->token = done;

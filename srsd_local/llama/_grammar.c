@@ -197,3 +197,35 @@ done:
     free(cand), free(ok), free(buf);
     return got;
 }
+
+/* A run of plain steps' check of each token it takes (see _argmax.c's srsd_step_run): the
+ * grammar at `st` takes the token where it admits it. With `stop_forced`, a taken token
+ * after which the grammar forces a character (what a drafting request drafts) ends the run.
+ * The probe arrays are srsd_grammar_forced's. */
+struct run_check {
+    const struct fns *f;
+    void *st;
+    int32_t stop_forced;
+    const int32_t *ids;
+    const uint8_t *chars;
+    int32_t n;
+    const int32_t *eog;
+    int32_t n_eog;
+    const int32_t *sentinels;
+    int32_t n_sent;
+};
+
+/* 1: taken, the run goes on; 2: taken, the grammar forces what comes next (stop_forced);
+ * 0: rejected, the state unchanged. */
+int32_t srsd_grammar_run_check(void *data, int32_t token) {
+    const struct run_check *c = data;
+    if (!srsd_grammar_take(c->f, c->st, token)) return 0;
+    if (c->stop_forced) {
+        static const uint8_t no_space[256];
+        char one;
+        if (srsd_grammar_forced(c->f, c->st, 1, c->ids, c->chars, c->n, c->eog, c->n_eog,
+                                c->sentinels, c->n_sent, no_space, 0, &one) != 0)
+            return 2; /* forced, or out of memory: back to the caller either way */
+    }
+    return 1;
+}

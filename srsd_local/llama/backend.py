@@ -168,6 +168,9 @@ class DecodeOutput:
     # how many plain steps' captured rows went to the address they were given (`step_at`'s
     # and `step_run`'s `stage`) instead of `hidden` (those of the first steps)
     staged: int = 0
+    # a run with a check (`step_run`'s `check`): its last token was rejected (not taken;
+    # `logits` holds its row, kept by the sequence's sampler)
+    rejected: bool = False
 
 
 class Backend:
@@ -869,8 +872,8 @@ class Backend:
         return self._run is not None and self.replay is None and seq in self._main_chains
 
     def step_run(self, token: int, pos: int, seq: int, n: int, capture: bool,
-                 stage: int = 0, capture_from: int = 0, draws: array | None = None
-                 ) -> DecodeOutput:
+                 stage: int = 0, capture_from: int = 0, draws: array | None = None,
+                 check: tuple[int, int] | None = None) -> DecodeOutput:
         """Up to n plain steps of sequence `seq` (see `can_run`) in one compiled call: `token`
         at `pos`, then the token the graph took for it at pos + 1, and so on; it stops
         early after an end-of-generation token. `sampled` holds each step's token (an
@@ -879,8 +882,11 @@ class Backend:
         from `stage` (an address with room for n rows; 0: nowhere) where they can be
         (`staged` of them, the first ones), the last step's row in `hidden` where it was
         not. `draws`: for a sequence whose tokens are drawn in the graph (`sample_main`'s
-        `draw`), each step's uniform draw (an array("d") of at least n). Context positions
-        past n_ctx, or n outside 1..MAX_RUN, raise."""
+        `draw`), each step's uniform draw (an array("d") of at least n). `check`: (address of
+        a C check, address of its data), see grammar.py's `run_check`: each step's token is
+        checked; the run stops after one the check ends it with, or at one it rejects (not
+        taken: `rejected`, the row in `logits`; the sequence's sampler must keep its rows,
+        `keep_rows`). Context positions past n_ctx, or n outside 1..MAX_RUN, raise."""
         if not 1 <= n <= MAX_RUN:
             raise ValueError(f"a run of {n} plain steps: accepted are 1 to {MAX_RUN}")
         if pos + n > self.n_ctx:
@@ -895,9 +901,13 @@ class Backend:
                 raise ValueError("draws: an array('d') of a uniform draw per step, for a "
                                  "sequence whose tokens are drawn in the graph")
             draw_u, u = ctypes.addressof(state) + DrawState.u.offset, draws.buffer_info()[0]
+        if check is not None and seq not in self.kept_seqs:
+            raise ValueError("a run whose tokens are checked needs the sequence's rows kept "
+                             "(keep_rows): a rejected token's row is read")
+        fn, data = check if check is not None else (None, None)
         t0 = time.perf_counter()
         rc = self._run(token, pos, seq, capture, capture_from, n, stage or None,
-                       self._run_addr, self._run_eog, self.vocab, draw_u, u)
+                       self._run_addr, self._run_eog, self.vocab, draw_u, u, fn, data)
         self.decode_seconds += time.perf_counter() - t0
         st = self._step_state
         done = st.token
@@ -911,6 +921,8 @@ class Backend:
         captured = max(0, done - capture_from) if capture else 0
         hidden = (self.capture.rows() if self.capture is not None and staged < captured
                   else None)
+        if check is not None and st.verdict == 0:
+            return DecodeOutput(self._kept_rows((0, 0), 1), hidden, tokens, staged, True)
         return DecodeOutput(self._no_rows, hidden, tokens, staged)
 
     def _captured(self, copy: bool = True) -> np.ndarray | None:

@@ -55,6 +55,15 @@ class _Fns(ctypes.Structure):
                 ("clone", ctypes.c_void_p), ("release", ctypes.c_void_p)]
 
 
+class _RunCheck(ctypes.Structure):
+    """`_grammar.c`'s `struct run_check`: a grammar state's check of a run's tokens."""
+
+    _fields_ = [("f", ctypes.c_void_p), ("st", ctypes.c_void_p), ("stop_forced", ctypes.c_int32),
+                ("ids", ctypes.c_void_p), ("chars", ctypes.c_void_p), ("n", ctypes.c_int32),
+                ("eog", ctypes.c_void_p), ("n_eog", ctypes.c_int32),
+                ("sentinels", ctypes.c_void_p), ("n_sent", ctypes.c_int32)]
+
+
 class _Kernels(NamedTuple):
     """`_grammar.c`'s functions, and llama.cpp's functions they call (`fns`)."""
 
@@ -62,6 +71,7 @@ class _Kernels(NamedTuple):
     forced: Any
     fns: _Fns
     take: Any
+    run_check: int  # the address of srsd_grammar_run_check (called from _argmax.c's run)
 
 
 @lru_cache(maxsize=1)
@@ -87,7 +97,8 @@ def _compiled() -> _Kernels | None:
     take = lib.srsd_grammar_take
     take.argtypes = [ptr, ptr, ctypes.c_int32]
     take.restype = ctypes.c_int32
-    return _Kernels(prune, forced, fns, take)
+    run_check = ctypes.cast(lib.srsd_grammar_run_check, ctypes.c_void_p).value
+    return _Kernels(prune, forced, fns, take, run_check)
 
 
 def prepare_kernels() -> bool:
@@ -362,6 +373,7 @@ class GrammarState:
     def __init__(self, ptr: Any, owner: Constraint) -> None:
         self._ptr = ptr
         self.owner = owner
+        self._run_checks: dict[bool, _RunCheck] = {}  # (see run_check)
 
     def __del__(self) -> None:
         ptr, self._ptr = getattr(self, "_ptr", None), None
@@ -448,6 +460,24 @@ class GrammarState:
             return False
         self.accept(token)
         return True
+
+    def run_check(self, stop_forced: bool) -> tuple[int, int] | None:
+        """For a run of plain steps in one compiled call (Backend.step_run's `check`): the
+        address of a C function that checks each token the run takes against this state and
+        advances it along the token where admitted, and the address of its data (kept with
+        this state). With `stop_forced`, the run stops after a token where the grammar forces
+        what comes next (which a drafting request drafts). None without a build."""
+        fast = _compiled()
+        if fast is None:
+            return None
+        data = self._run_checks.get(stop_forced)
+        if data is None:
+            ids, chars, eog, sentinels = self.owner.forced_args
+            data = self._run_checks[stop_forced] = _RunCheck(
+                ctypes.addressof(fast.fns), ctypes.cast(self._ptr, ctypes.c_void_p).value,
+                int(stop_forced), ids, chars, len(self.owner.probe_chars), eog,
+                len(self.owner.eog), sentinels, len(self.owner.sentinels))
+        return fast.run_check, ctypes.addressof(data)
 
     def forced_text(self, max_chars: int, style: SpaceStyle | Callable[[str], bool],
                     prev: str = "") -> str:

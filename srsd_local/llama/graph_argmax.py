@@ -55,7 +55,7 @@ def library() -> ctypes.CDLL | None:
                                    ctypes.c_void_p]
     lib.srsd_step_rows.restype = ctypes.c_int32
     lib.srsd_step_run.argtypes = ([ctypes.c_void_p] + [ctypes.c_int32] * 6 +
-                                  [ctypes.c_void_p] * 6)
+                                  [ctypes.c_void_p] * 8)
     lib.srsd_step_run.restype = ctypes.c_int32
     return lib
 
@@ -189,7 +189,7 @@ class StepState(ctypes.Structure):
                 ("cap_ne0", ctypes.c_void_p), ("cap_buf", ctypes.c_void_p),
                 ("n_embd", ctypes.c_int64), ("seconds", ctypes.c_double),
                 ("token", ctypes.c_int32), ("staged", ctypes.c_int32),
-                ("read_seconds", ctypes.c_double)]
+                ("read_seconds", ctypes.c_double), ("verdict", ctypes.c_int32)]
 
 
 def plain_stepper(L, ctx, batch, capture_state=None, n_embd: int = 0):
@@ -237,17 +237,20 @@ def rows_stepper(state: StepState):
 
 def run_stepper(L, state: StepState):
     """`(run, eog)`: `run(token, pos, seq, capture, capture_from, n, stage, out, eog, vocab,
-    draw_u, u) -> rc` for the state of a `plain_stepper` (a partial of the C function
-    itself): up to n plain steps of sequence `seq` in one compiled call, each decoding the
-    token the step before took in the graph (the sequence must have an in-graph sampler),
+    draw_u, u, check, check_data) -> rc` for the state of a `plain_stepper` (a partial of the C
+    function itself): up to n plain steps of sequence `seq` in one compiled call, each decoding
+    the token the step before took in the graph (the sequence must have an in-graph sampler),
     `token` first at `pos`; into the int32 array at address `out` each step's token. With
-    `draw_u` (the address of a draw sampler's `DrawState.u`, or None) step i's uniform draw
-    is set to the i-th double at address `u` before its pass. Steps from `capture_from` on
-    have their hidden row captured (with `capture`), the others not. It stops after an
-    end-of-generation token (llama.cpp's `llama_vocab_is_eog` of `vocab`), after a step
-    whose captured row could not be staged, or at a failed llama_decode (its return code
-    comes back). `state.token`: steps done, `state.staged`: how many captured rows went to
-    `stage` (an address for rows of n_embd float32 values one after the other, or None),
-    `state.seconds`: their llama_decode and llama_synchronize."""
+    `draw_u` (the address of a draw sampler's `DrawState.u`, or None) step i's uniform draw is
+    set to the i-th double at address `u` before its pass. Steps from `capture_from` on have
+    their hidden row captured (with `capture`), the others not. It stops after an end-of-
+    generation token (llama.cpp's `llama_vocab_is_eog` of `vocab`), after a step whose captured
+    row could not be staged, or at a failed llama_decode (its return code comes back).
+    `state.token`: steps done, `state.staged`: how many captured rows went to `stage` (an
+    address for rows of n_embd float32 values one after the other, or None), `state.seconds`:
+    their llama_decode and llama_synchronize. With `check` (the address of a C function
+    `int32_t check(void *check_data, int32_t token)`, or None), each step's token is checked: 1
+    taken, 2 taken and the run stops, 0 rejected (not taken) and the run stops;
+    `state.verdict`: the last verdict (1 without a check)."""
     eog = ctypes.cast(L.llama_vocab_is_eog, ctypes.c_void_p).value
     return partial(library().srsd_step_run, ctypes.addressof(state)), eog
