@@ -245,6 +245,7 @@ class Constraint:
         # the whitespace probes: most of a vocabulary starts with a space, so for tokens
         # that start with one of these the second byte is checked too
         self.spaces = [(i, ord(c)) for i, c in enumerate(self.probe_chars) if c.isspace()]
+        self.groups = _byte_groups(backend, self.lead, [byte for _, byte in self.spaces])
         # for the compiled forced_text: the probes' arrays (kept) and their addresses
         self._forced_arrays = (np.ascontiguousarray(self.probe_ids, np.int32),
                                np.ascontiguousarray(self.probe_bytes, np.uint8),
@@ -343,6 +344,38 @@ def _ascii_only(gbnf: str) -> bool:
     return gbnf.isascii() and _WIDE_ESCAPE.search(gbnf) is None
 
 
+class _ByteGroups:
+    """A vocabulary's tokens grouped by the first byte of their text (`lead`), and those that
+    start with one of the `spaces` bytes by their second byte: the tokens of byte b are
+    order[starts[b]:starts[b + 1]] (sizes[b] of them), of space byte s and second byte b
+    space_order[s][space_starts[s][b]:...]. Made once per model (possible() gathers a
+    superset from the groups of the bytes a grammar admits instead of scanning every token)."""
+
+    def __init__(self, lead: np.ndarray, spaces: Sequence[int]) -> None:
+        bins = np.arange(257)
+        self.order = np.argsort(lead[:, 0], kind="stable").astype(np.int32)
+        self.starts = np.searchsorted(lead[self.order, 0], bins)
+        self.sizes = np.diff(self.starts)
+        self.space_order: dict[int, np.ndarray] = {}
+        self.space_starts: dict[int, np.ndarray] = {}
+        self.space_sizes: dict[int, np.ndarray] = {}
+        for byte in spaces:
+            rows = self.order[self.starts[byte]:self.starts[byte + 1]]
+            order = rows[np.argsort(lead[rows, 1], kind="stable")]
+            starts = np.searchsorted(lead[order, 1], bins)
+            self.space_order[byte], self.space_starts[byte] = order, starts
+            self.space_sizes[byte] = np.diff(starts)
+
+
+def _byte_groups(backend: Any, lead: np.ndarray, spaces: Sequence[int]) -> _ByteGroups:
+    """The model's _ByteGroups, made at its first grammar and kept with the backend."""
+    key = tuple(spaces)
+    cached = getattr(backend, "_grammar_byte_groups", None)
+    if cached is None or cached[0] != key:
+        cached = backend._grammar_byte_groups = (key, _ByteGroups(lead, spaces))
+    return cached[1]
+
+
 class _Candidates:
     """Token ids to mask, in a numpy buffer that a llama_token_data_array points at: made
     once per grammar and thread, not per state and call (a drafted tree's check clones a
@@ -424,21 +457,30 @@ class GrammarState:
         owner = self.owner
         if not len(owner.probe_ids):
             return None
-        lead = owner.lead
+        groups = owner.groups
         first = self._admitted_bytes()
-        keep = first[lead[:, 0]]
-        for i, byte in owner.spaces:
-            if not first[byte]:
-                continue
+        spaces = [(i, byte) for i, byte in owner.spaces if first[byte]]
+        first[[byte for _, byte in owner.spaces]] = False  # (those: by their second byte)
+        firsts = np.flatnonzero(first)
+        seconds = []
+        for i, byte in spaces:
             after = self.clone()
             after.accept(int(owner.probe_ids[i]))
             second = after._admitted_bytes()
             second[0] = True  # the space alone
-            rows = np.flatnonzero(lead[:, 0] == byte)
-            keep[rows] = second[lead[rows, 1]]
-        keep[owner.eog_ids] = True
-        ids = np.flatnonzero(keep).astype(np.int32)
-        return ids if 2 * len(ids) <= len(keep) else None
+            seconds.append((byte, np.flatnonzero(second)))
+        # counted before gathered: where the superset is not narrow, nothing is gathered
+        count = int(groups.sizes[firsts].sum()) + sum(
+            int(groups.space_sizes[byte][b].sum()) for byte, b in seconds)
+        if 2 * count > owner.lead.shape[0]:
+            return None
+        parts = [groups.order[groups.starts[b]:groups.starts[b + 1]] for b in firsts]
+        for byte, bs in seconds:
+            order, starts = groups.space_order[byte], groups.space_starts[byte]
+            parts.extend(order[starts[b]:starts[b + 1]] for b in bs)
+        parts.append(owner.eog_ids)
+        ids = np.unique(np.concatenate(parts)).astype(np.int32)
+        return ids if 2 * len(ids) <= owner.lead.shape[0] else None
 
     def allows(self, token: int) -> bool:
         return bool(self.mask(np.asarray([token], dtype=np.int32))[0])
