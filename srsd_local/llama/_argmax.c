@@ -529,19 +529,19 @@ typedef int32_t (*check_fn)(void *data, int32_t token);
 /* Up to n plain steps of one sequence in one call, each decoding the token the step before
  * it sampled in the graph: `token` at `pos`, then its sampled token at pos + 1, and so on
  * (each step as srsd_step_one with want_sampled; the sequence must have an in-graph
- * sampler). With `draw_u` (a draw sampler's uniform draw, not NULL), step i's draw is
- * set to u[i] before its pass. With `check` (not NULL), each step's token is checked
+ * sampler). With `draw_u` (a draw sampler's uniform draw, not NULL), step i's draw is set
+ * to u[i] before its pass. With `check` (not NULL), each step's token is checked
  * (check(check_data, token)); the run stops after a step whose verdict is not 1, and
  * s->verdict holds the last verdict (1 without a check): 0 means the last step's token was
- * rejected, its row is the last pass's. Steps from `capture_from` on have their hidden row captured
- * (with `capture`; the others with the capture off). out[i] gets step i's sampled token.
- * The run stops early after a step whose token is an end of generation (is_eog(vocab,
- * token)), after a step whose captured row could not be staged, or at a failed
- * llama_decode (its return code comes back; out holds the steps before it). s->token: the
- * steps done; s->staged: how many of their captured rows were copied to stage + k * n_embd
- * (k = 0, 1, ... from step capture_from on, when `stage`); s->seconds: llama_decode and
- * llama_synchronize over all steps. From Python, n plain steps are then one call, without
- * the return into the interpreter after each forward pass. */
+ * rejected, its row is the last pass's. Steps from `capture_from` on have their hidden row
+ * captured (with `capture`; the others with the capture off). out[i] gets step i's sampled
+ * token. The run stops early after a step whose token is an end of generation
+ * (is_eog(vocab, token)), after a step whose captured row could not be staged, or at a
+ * failed llama_decode (its return code comes back; out holds the steps before it).
+ * s->token: the steps done; s->staged: how many of their captured rows were copied to
+ * stage + k * n_embd (k = 0, 1, ... from step capture_from on, when `stage`); s->seconds:
+ * llama_decode and llama_synchronize over all steps. From Python, n plain steps are then
+ * one call, without the return into the interpreter after each forward pass. */
 typedef bool (*is_eog_fn)(const void *vocab, int32_t token);
 
 int32_t srsd_step_run(struct step *s, int32_t token, int32_t pos, int32_t seq,
