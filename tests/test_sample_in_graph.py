@@ -166,8 +166,8 @@ def test_constrained_greedy_takes_the_graphs_argmax_and_reads_kept_rows(graph_en
     draw = sampling.ConstrainedSampler.__call__
     take = sampling.ConstrainedSampler.take
 
-    def spy(self, x, top=None):
-        tok = draw(self, x, top)
+    def spy(self, x, top=None, **kwargs):
+        tok = draw(self, x, top, **kwargs)
         if top is not None:
             seen["given"] += 1
             seen["rejected"] += tok != top

@@ -972,7 +972,7 @@ class Engine:
                     k = len(got)
                     path, path_tokens, y = list(range(k)), [x, *got[: k - 1]], got[k - 1]
                     if w.rejected:  # (by the grammar: the best admitted token of its row)
-                        y = sampler(w.logits[0], y)
+                        y = sampler(w.logits[0], y, top_rejected=True)
                 elif draw:
                     if got is None or got[0] < 0:
                         raise DecodeError("llama.cpp's graph drew no token for a sampled row")

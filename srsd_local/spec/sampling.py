@@ -309,20 +309,23 @@ class ConstrainedSampler(Sampler):
         super().__init__(params, threads)
         self.constraint = constraint
 
-    def __call__(self, logits: np.ndarray, top: int | None = None) -> int:
+    def __call__(self, logits: np.ndarray, top: int | None = None,
+                 top_rejected: bool = False) -> int:
         """The token drawn from a logits row; `top`: the row's argmax where it is known
-        already (greedy: often the answer, with one check of the grammar)."""
+        already (greedy: often the answer, with one check of the grammar);
+        `top_rejected`: the constraint is known to reject it (greedy: not checked again)."""
         x = np.asarray(logits, dtype=np.float32).reshape(-1)
         c = self.constraint
         take = getattr(c, "take_if_admitted", None)  # (a check that also advances)
         if self.params.greedy and take is not None:
             if top is None:
                 top = int(np.argmax(x))
-            if take(top):  # the usual case: the argmax admitted, taken in one call
+            if not top_rejected and take(top):  # the usual case: the argmax admitted,
+                # taken in one call
                 return top
             tok = best_allowed(x, c, top, top_rejected=True)
         elif self.params.greedy:
-            tok = best_allowed(x, c, top)
+            tok = best_allowed(x, c, top, top_rejected)
         else:
             best = best_allowed(x, c, top)
             floor = x[best] - CUTOFF * max(self.params.temperature, 1e-6)
